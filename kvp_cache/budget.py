@@ -1,0 +1,58 @@
+"""Budgets: how many cache entries each KV head keeps after prefill."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+Budget = float | int
+
+
+def validate_budget(budget: object) -> Budget:
+    """Return ``budget`` if valid, else raise a ``TypeError``/``ValueError`` naming the allowed range.
+
+    A float in (0, 1] is the fraction of each row's prompt tokens kept per head; an int >= 1 is a
+    token count kept per head.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise TypeError(
+            f"budget must be a float in (0, 1] (fraction kept) or an int >= 1 (tokens kept), got {budget!r}"
+        )
+    if isinstance(budget, numbers.Integral):
+        if budget < 1:
+            raise ValueError(f"budget as an int is a token count and must be >= 1, got {budget}")
+        return int(budget)
+    if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget as a float is a fraction and must be in (0, 1], got {budget}")
+    return float(budget)
+
+
+def kept_per_row(budget: Budget, real_lengths: torch.Tensor) -> torch.Tensor:
+    """Entries to keep for each row: ``[batch]`` long tensor, never more than the row's real tokens.
+
+    A fraction is applied to each row's own length, so a padded row keeps what it would keep alone.
+    """
+    if isinstance(budget, float):
+        kept = torch.ceil(real_lengths.double() * budget).long()
+    else:
+        kept = torch.full_like(real_lengths, budget)
+    return torch.minimum(kept, real_lengths).clamp_min(1)
+
+
+def protect_sinks_and_window(
+    scores: torch.Tensor, positions: torch.Tensor, real_lengths: torch.Tensor, kept: torch.Tensor, sinks: int, window: int
+) -> torch.Tensor:
+    """Force the first ``sinks`` and last ``window`` real tokens of every row into the kept set.
+
+    scores: ``[batch, kv_heads, seq]``; positions: ``[batch, seq]`` real-token index (-1 on pads).
+    When a row keeps fewer entries than ``sinks + window`` the window wins first, then the sinks,
+    so the protected set never exceeds the kept count and the result stays deterministic.
+    """
+    window_row = torch.clamp(kept, max=window)
+    sinks_row = torch.clamp(kept - window_row, max=sinks)
+    is_sink = (positions >= 0) & (positions < sinks_row[:, None])
+    is_window = positions >= (real_lengths - window_row)[:, None]
+    protected = (is_sink | is_window)[:, None, :]
+    return scores.masked_fill(protected, torch.finfo(scores.dtype).max)

@@ -1,0 +1,410 @@
+"""KVPCache: a transformers ``Cache`` that evicts per KV head after every multi-token forward.
+
+Rule: a forward that brings more than one new token (the prefill, a chunk of a chunked prefill,
+a new turn of a conversation) ends with every evicting layer holding only its budget; a
+single-token forward (decoding) appends. The forward itself always attends to the full states,
+so the prefill logits are exact.
+
+Semantics follow ``DynamicSlidingWindowLayer``: ``get_seq_length()`` is the logical number of
+tokens seen and ``get_mask_sizes()`` offsets the mask by the evicted count, so RoPE positions and
+masks stay right after eviction (see shared/research/transformers_lmeval.md, A.6).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from kvp_cache.budget import Budget, kept_per_row, protect_sinks_and_window, validate_budget
+from kvp_cache.capture import QueryCapture
+from kvp_cache.compat import check_decoder_config, text_config
+from kvp_cache.scorers import Scorer, make_scorer
+
+
+@dataclass
+class EvictionSettings:
+    """What every evicting layer of one cache shares."""
+
+    scorer: Scorer
+    budget: Budget
+    sink_tokens: int
+    window_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    track_positions: bool = False
+    built_from_model: bool = False
+    # Per-forward state written by the model hooks.
+    new_tokens_real: torch.Tensor | None = None  # [batch, q] bool, real (non-pad) flags of this forward's tokens
+    in_forward: bool = False
+    queries: dict[int, object] = field(default_factory=dict)  # layer_idx -> QueryStates of this forward
+
+
+class EvictingLayer(DynamicLayer):
+    """A full-attention layer that keeps the top-``budget`` entries of each KV head.
+
+    Besides ``keys``/``values`` (``[batch, kv_heads, slots, head_dim]``) it keeps ``valid``
+    (``[batch, slots]``, False where a slot holds padding) and ``seen_real`` (``[batch]``, real
+    tokens seen by each row), and optionally ``positions`` (``[batch, kv_heads, slots]`` logical
+    positions, with ``track_positions=True``).
+    """
+
+    is_sliding = False
+
+    def __init__(self, settings: EvictionSettings, layer_idx: int):
+        super().__init__()
+        self.settings = settings
+        self.layer_idx = layer_idx
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.cumulative_length = 0
+        self.valid: torch.Tensor | None = None
+        self.seen_real: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.appended_since_eviction = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        b = key_states.shape[0]
+        self.valid = torch.ones(b, 0, dtype=torch.bool, device=self.device)
+        self.seen_real = torch.zeros(b, dtype=torch.long, device=self.device)
+        if self.settings.track_positions:
+            self.positions = torch.zeros((*key_states.shape[:2], 0), dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append the new states, return the full states for this forward, then evict if q > 1."""
+        s = self.settings
+        if self.settings.built_from_model and not s.in_forward:
+            raise RuntimeError(
+                "This KVPCache was built for another model instance: pass it only to the model given to "
+                "KVPCache(model, ...), or build it from a config with KVPCache(config, ...)."
+            )
+        if key_states.shape[1] != s.num_kv_heads or key_states.shape[-1] != s.head_dim:
+            raise ValueError(
+                f"KVPCache was built for {s.num_kv_heads} KV heads of dim {s.head_dim}, but layer "
+                f"{self.layer_idx} got states of shape {tuple(key_states.shape)}: it was built for another model."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        new_real = s.new_tokens_real
+        if new_real is None or new_real.shape != (key_states.shape[0], q):
+            new_real = torch.ones(key_states.shape[0], q, dtype=torch.bool, device=self.device)
+        new_real = new_real.to(self.device)
+
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        self.valid = torch.cat([self.valid, new_real], dim=-1)
+        self.seen_real = self.seen_real + new_real.sum(-1)
+        if self.positions is not None:
+            new_pos = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
+            self.positions = torch.cat([self.positions, new_pos.expand(*keys.shape[:2], q)], dim=-1)
+        self.cumulative_length += q
+        self.keys, self.values = keys, values
+        if q > 1:
+            self._evict(layer_queries=s.queries.pop(self.layer_idx, None))
+        else:
+            self.appended_since_eviction += 1
+        return keys, values
+
+    def _evict(self, layer_queries) -> None:
+        s = self.settings
+        valid = self.valid
+        real_in_cache = valid.sum(-1)
+        if isinstance(s.budget, float):
+            kept = torch.minimum(kept_per_row(s.budget, self.seen_real), real_in_cache)
+        else:
+            kept = kept_per_row(s.budget, real_in_cache)
+        slots = int(kept.max())
+        self.appended_since_eviction = 0
+        if slots == valid.shape[-1] and bool(valid.all()):
+            return  # every row keeps everything: nothing to evict
+        if not s.built_from_model and bool((kept < slots).any()) and not self._padding_aligned(kept, slots):
+            raise ValueError(
+                "A padded batch with a fractional budget keeps different counts per row, which needs the "
+                "attention mask rewritten at every step: build the cache with KVPCache(model, ...)."
+            )
+        positions = valid.long().cumsum(-1) - 1
+        positions = positions.masked_fill(~valid, -1)
+        scores = s.scorer.score(self.keys, self.values, positions, queries=layer_queries, layer_idx=self.layer_idx)
+        scores = protect_sinks_and_window(scores.float(), positions, real_in_cache, kept, s.sink_tokens, s.window_tokens)
+        index = select_slots(scores, valid, kept, slots)
+        gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, gather)
+        self.values = self.values.gather(2, gather)
+        self.valid = torch.arange(slots, device=self.device)[None, :] >= (slots - kept)[:, None]
+        if self.positions is not None:
+            self.positions = self.positions.gather(2, index)
+
+    def _padding_aligned(self, kept: torch.Tensor, slots: int) -> bool:
+        """True if the invalid slots fall exactly on the zero columns of the caller's left-padded mask."""
+        return bool((kept == torch.minimum(self.valid.sum(-1), torch.tensor(slots, device=self.device))).all())
+
+    def get_seq_length(self, *args) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        # <= 5.3 passes a cache_position tensor, >= 5.4 an int.
+        q = query_length.shape[0] if torch.is_tensor(query_length) else int(query_length)
+        physical = self.physical_length()
+        return physical + q, self.cumulative_length - physical
+
+    def physical_length(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self._reset_state()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end; only tokens decoded since the last eviction can be removed."""
+        n = self.cumulative_length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.appended_since_eviction:
+            raise ValueError(
+                f"crop: cannot remove {n} tokens, only the {self.appended_since_eviction} decoded since the last "
+                "eviction are still stored in order; evicted prompt tokens cannot be restored."
+            )
+        self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+        self.valid = self.valid[:, :-n]
+        if self.positions is not None:
+            self.positions = self.positions[..., :-n]
+        self.cumulative_length -= n
+        self.appended_since_eviction -= n
+
+    def _map_batch(self, fn) -> None:
+        for name in ("keys", "values", "valid", "seen_real", "positions"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, fn(tensor))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+
+def select_slots(scores: torch.Tensor, valid: torch.Tensor, kept: torch.Tensor, slots: int) -> torch.Tensor:
+    """Indices of the entries to keep, ``[batch, kv_heads, slots]``.
+
+    Each row keeps its top ``kept[row]`` valid entries per head, in original order, after
+    ``slots - kept[row]`` filler entries (padding when there is any), so every head of a row has
+    its invalid slots first and one ``[batch, slots]`` validity mask describes them all.
+    """
+    b, h, n = scores.shape
+    arange = torch.arange(n, device=scores.device).expand(b, h, n)
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    chosen = torch.empty_like(order).scatter_(-1, order, arange) < kept[:, None, None]
+    # Fillers: padding first, then the lowest-scored leftovers; they are masked out anyway.
+    preference = torch.where(chosen, 3 * n, torch.where(valid[:, None, :], n + arange, arange))
+    filler_rank = torch.empty_like(order).scatter_(-1, preference.argsort(dim=-1), arange)
+    filler = ~chosen & (filler_rank < (slots - kept)[:, None, None])
+    key = torch.where(filler, -1, torch.where(chosen, arange, n))
+    return key.argsort(dim=-1, stable=True)[..., :slots]
+
+
+class KVPCache(Cache):
+    """Drop-in ``transformers`` cache that keeps only the top-``budget`` entries per KV head.
+
+    Args:
+        model_or_config: the model the cache will be used with (enables query-aware methods and
+            pad-aware eviction inside ``generate``), or its config (key/value-only methods).
+        method: a name from :func:`kvp_cache.available_methods`.
+        budget: float in (0, 1], the fraction of each row's tokens kept per head, or int >= 1,
+            the number of tokens kept per head.
+        sink_tokens, window_tokens: the first and last tokens always kept.
+        track_positions: also store each kept entry's logical position (for inspection and tests).
+        **method_options: the options of the method's dataclass (see its docstring).
+    """
+
+    def __init__(
+        self,
+        model_or_config: PreTrainedModel | PretrainedConfig,
+        method: str = "knorm",
+        budget: Budget = 0.25,
+        sink_tokens: int = 4,
+        window_tokens: int = 16,
+        track_positions: bool = False,
+        **method_options,
+    ):
+        model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+        if model is None and not isinstance(model_or_config, PretrainedConfig):
+            raise TypeError(
+                f"KVPCache needs a transformers model or its config, got {type(model_or_config).__name__}"
+            )
+        config = text_config(model.config if model is not None else model_or_config)
+        check_decoder_config(config, model)
+        for name, value in (("sink_tokens", sink_tokens), ("window_tokens", window_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        scorer = make_scorer(method, **method_options)
+        if scorer.needs_queries and model is None:
+            raise ValueError(
+                f"method '{method}' needs the prefill queries: build the cache with KVPCache(model, ...), not a config"
+            )
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.settings = EvictionSettings(
+            scorer=scorer,
+            budget=validate_budget(budget),
+            sink_tokens=sink_tokens,
+            window_tokens=window_tokens,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=head_dim,
+            track_positions=track_positions,
+            built_from_model=model is not None,
+        )
+        reference = DynamicCache(config=config)
+        layers = [
+            EvictingLayer(self.settings, i) if type(layer) is DynamicLayer else layer
+            for i, layer in enumerate(reference.layers)
+        ]
+        super().__init__(layers=layers)
+        self.method = method
+        self._hooks = _ModelHooks(self, model) if model is not None else None
+
+    @property
+    def evicting_layers(self) -> list[EvictingLayer]:
+        return [layer for layer in self.layers if isinstance(layer, EvictingLayer)]
+
+    def set_attention_mask(self, attention_mask: torch.Tensor | None) -> None:
+        """Tell the cache which of the next forward's tokens are padding (``[batch, seq]``, 1 = real).
+
+        ``KVPCache(model, ...)`` does this by itself on every forward; call it only for a cache
+        built from a config, before each forward of a padded batch.
+        """
+        if attention_mask is None or attention_mask.dim() != 2:
+            self.settings.new_tokens_real = None
+            return
+        self.settings.new_tokens_real = attention_mask.bool()
+
+    def kv_bytes(self) -> int:
+        """Bytes held by the cache: keys, values and per-slot metadata of every layer."""
+        total = 0
+        for layer in self.layers:
+            for name in ("keys", "values", "valid", "seen_real", "positions"):
+                tensor = getattr(layer, name, None)
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    def reset(self) -> None:
+        super().reset()
+        self.settings.queries.clear()
+        self.settings.new_tokens_real = None
+
+    def __deepcopy__(self, memo):
+        """An independent copy (own tensors and model hooks) that shares the scorer."""
+        memo[id(self.settings.scorer)] = self.settings.scorer
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name != "_hooks":
+                setattr(new, name, copy.deepcopy(value, memo))
+        model = self._hooks.model() if self._hooks is not None else None
+        new._hooks = _ModelHooks(new, model) if model is not None else None
+        return new
+
+    def __repr__(self) -> str:
+        s = self.settings
+        return (
+            f"KVPCache(method={self.method!r}, budget={s.budget}, sink_tokens={s.sink_tokens}, "
+            f"window_tokens={s.window_tokens}, evicting_layers={len(self.evicting_layers)}/{len(self.layers)})"
+        )
+
+
+class _ModelHooks:
+    """Hooks on the model's decoder that feed the cache what ``Cache.update`` never sees.
+
+    Before each forward that uses this cache, they read the 2-D attention mask (which tokens are
+    padding), rewrite its columns over the kept slots so every row masks its own padding slots,
+    and for multi-token forwards attach the query capture that query-aware scorers need, removed
+    again when the forward ends. The hooks hold the cache weakly and go away with it.
+    """
+
+    def __init__(self, cache: KVPCache, model: torch.nn.Module):
+        self._cache = weakref.ref(cache)
+        self.model = weakref.ref(model)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        scorer = cache.settings.scorer
+        evicting = {layer.layer_idx for layer in cache.evicting_layers}
+        self.capture = QueryCapture(model, scorer.query_window, evicting) if scorer.needs_queries else None
+        handles = [
+            decoder.register_forward_pre_hook(self._before, with_kwargs=True),
+            decoder.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+        weakref.finalize(cache, _remove_all, handles, self.capture)
+
+    def _before(self, module, args, kwargs):
+        cache = self._cache()
+        if cache is None or _cache_argument(kwargs) is not cache:
+            return None
+        s = cache.settings
+        s.in_forward = True
+        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if tokens is None and args:
+            tokens = args[0]
+        q = tokens.shape[1]
+        mask = kwargs.get("attention_mask")
+        cache.set_attention_mask(mask[:, -q:] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
+        if self.capture is not None and q > 1:
+            self.capture.attach(s.queries)
+        kwargs["attention_mask"] = _mask_invalid_slots(cache, mask, tokens.shape[0], q)
+        return args, kwargs
+
+    def _after(self, module, args, kwargs, output):
+        cache = self._cache()
+        if cache is None or _cache_argument(kwargs) is not cache:
+            return None
+        cache.settings.in_forward = False
+        cache.settings.queries.clear()
+        if self.capture is not None:
+            self.capture.detach()
+        return None
+
+
+def _cache_argument(kwargs: dict):
+    # transformers >= 5.24 names it `cache`; earlier versions (and callers using the deprecated name) `past_key_values`.
+    return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
+
+
+def _mask_invalid_slots(cache: KVPCache, mask: torch.Tensor | None, batch: int, q: int) -> torch.Tensor | None:
+    """Zero the 2-D mask columns that face padding slots of the cache (rows of a padded batch)."""
+    layers = cache.evicting_layers
+    if not layers or not layers[0].is_initialized or (mask is not None and mask.dim() != 2):
+        return mask
+    valid = layers[0].valid
+    if bool(valid.all()):
+        return mask
+    seen = layers[0].cumulative_length
+    if mask is None:
+        mask = torch.ones(batch, seen + q, dtype=torch.long, device=valid.device)
+    mask = mask.clone()
+    start = seen - valid.shape[-1]
+    mask[:, start:seen] = valid.to(mask.dtype)
+    return mask
+
+
+def _remove_all(handles, capture) -> None:
+    for handle in handles:
+        handle.remove()
+    if capture is not None:
+        capture.detach()

@@ -1,0 +1,48 @@
+"""Which transformers versions and models KVPCache supports, checked early with clear errors."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import PretrainedConfig
+
+SUPPORTED_TRANSFORMERS = (Version("4.57"), Version("5.25"))
+
+
+def check_transformers_version(version: str = transformers.__version__) -> None:
+    low, high = SUPPORTED_TRANSFORMERS
+    v = Version(Version(version).base_version)
+    if not low <= v < high:
+        raise ImportError(
+            f"kvp_cache supports transformers >={low},<{high}; found {version}. "
+            f'Install a supported version: pip install "transformers>={low},<{high}"'
+        )
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder's config (multimodal models nest it)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def check_decoder_config(config: PretrainedConfig, model: torch.nn.Module | None = None) -> None:
+    """Refuse configs and models that are not decoder-only causal LMs with standard attention."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"KVPCache supports decoder-only LMs; '{model_type}' is an encoder-decoder model")
+    encoder_only = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder_only:
+        raise ValueError(
+            f"KVPCache supports decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ...); "
+            f"'{model_type or type(config).__name__}' is not one"
+        )
+    for attribute in ("num_attention_heads", "hidden_size", "num_hidden_layers"):
+        if getattr(config, attribute, None) is None:
+            raise ValueError(f"KVPCache needs config.{attribute}, which '{model_type}' does not define")
+    if model is not None and not hasattr(model, "generate"):
+        raise ValueError(f"KVPCache needs a generative model; {type(model).__name__} has no generate()")

@@ -1,0 +1,94 @@
+"""The scorer contract: one score per ``[batch, kv_head, token]``, higher means keep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class QueryStates:
+    """What the capture hooks saw of the prefill queries of one attention layer.
+
+    queries: ``[batch, q_heads, window, head_dim]`` post-RoPE queries of the last ``window`` prompt
+        tokens (all tokens when the scorer asks for ``query_window = -1``).
+    pre_rope_queries: the same queries before RoPE (after any q-norm), for methods that model the
+        distribution of future queries.
+    rope_step: ``[head_dim]`` RoPE angle advanced per position (cos/sin layout), and
+    last_cos, last_sin: ``[batch, head_dim]`` the RoPE of the last token, so scorers can rotate
+        statistics to future positions.
+    scaling: the attention softmax scale of the layer.
+    """
+
+    queries: torch.Tensor
+    pre_rope_queries: torch.Tensor
+    rope_step: torch.Tensor
+    last_cos: torch.Tensor
+    last_sin: torch.Tensor
+    scaling: float
+
+
+@dataclass
+class Scorer:
+    """Base class: subclasses are dataclasses of their options and implement :meth:`score`.
+
+    ``query_window`` says what the cache must capture from the prefill queries: ``None`` for
+    key/value-only methods (scored inside ``Cache.update``), ``n > 0`` for the last ``n`` queries,
+    ``-1`` for all of them.
+    """
+
+    name: ClassVar[str] = ""
+    query_window: ClassVar[int | None] = None
+
+    def score(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        queries: QueryStates | None = None,
+        layer_idx: int = 0,
+    ) -> torch.Tensor:
+        """Score every cached entry.
+
+        keys, values: ``[batch, kv_heads, seq, head_dim]`` post-RoPE, as stored in the cache.
+        positions: ``[batch, seq]`` index of each token among its row's real tokens, -1 on padding.
+        Returns ``[batch, kv_heads, seq]``; the cache keeps the top entries per head.
+        """
+        raise NotImplementedError
+
+    @property
+    def needs_queries(self) -> bool:
+        return self.query_window is not None
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """RoPE's half rotation: ``[x1, x2] -> [-x2, x1]`` on the last dim."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[batch, q_heads, n, d]`` -> ``[batch, kv_heads, group, n, d]`` (GQA groups are contiguous)."""
+    b, hq, n, d = queries.shape
+    return queries.view(b, num_kv_heads, hq // num_kv_heads, n, d)
+
+
+def grouped_attention(
+    queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor, causal_offset: int | None
+) -> torch.Tensor:
+    """Softmax attention of ``queries`` over ``keys`` per query head.
+
+    queries: ``[batch, q_heads, n, d]``; keys: ``[batch, kv_heads, seq, d]``; key_valid: ``[batch, seq]``.
+    causal_offset: index in ``keys`` of the first query (None: every query sees every key).
+    Returns ``[batch, kv_heads, group, n, seq]`` in float32.
+    """
+    q = group_queries(queries.float(), keys.shape[1])
+    logits = torch.einsum("bhgnd,bhsd->bhgns", q, keys.float()) * scaling
+    visible = key_valid[:, None, None, None, :]
+    if causal_offset is not None:
+        n, s = q.shape[-2], keys.shape[-2]
+        q_pos = torch.arange(n, device=keys.device)[:, None] + causal_offset
+        visible = visible & (torch.arange(s, device=keys.device)[None, :] <= q_pos)
+    return logits.masked_fill(~visible, float("-inf")).softmax(-1)

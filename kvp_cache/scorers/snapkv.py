@@ -1,0 +1,35 @@
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvp_cache.scorers.base import Scorer, grouped_attention
+
+
+@dataclass
+class SnapKVScorer(Scorer):
+    """Keep the tokens an observation window of the last prompt queries attends to.
+
+    Li et al., "SnapKV: LLM Knows What You are Looking for Before Generation", NeurIPS 2024
+    (arXiv 2404.14469). The window's attention is averaged over its queries, smoothed with an
+    average pool of ``kernel_size``, and averaged over the GQA group (as kvpress does, after
+    FasterDecoding/SnapKV#22). The window itself is always kept.
+    """
+
+    name = "snapkv"
+    window_size: int = 64
+    kernel_size: int = 5
+
+    @property
+    def query_window(self) -> int:  # type: ignore[override]
+        return self.window_size
+
+    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+        b, h, n, _ = keys.shape
+        window = queries.queries.shape[-2]
+        attention = grouped_attention(queries.queries, keys, queries.scaling, positions >= 0, causal_offset=n - window)
+        observed = attention.nan_to_num(0.0).mean(dim=-2)  # [b, h, group, n]
+        pooled = F.avg_pool1d(observed.flatten(0, 2)[:, None], self.kernel_size, 1, self.kernel_size // 2)
+        scores = pooled.view(b, h, -1, n).mean(dim=2)
+        scores[..., n - window :] = torch.finfo(scores.dtype).max
+        return scores

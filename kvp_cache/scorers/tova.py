@@ -1,0 +1,23 @@
+from dataclasses import dataclass
+
+import torch
+
+from kvp_cache.scorers.base import Scorer, grouped_attention
+
+
+@dataclass
+class TOVAScorer(Scorer):
+    """Keep the tokens the last prompt token attends to most.
+
+    Oren et al., "Transformers are Multi-State RNNs" (TOVA), EMNLP 2024 (arXiv 2401.06104). As in
+    the paper and kvpress, the attention is averaged over all query heads, so every KV head of a
+    layer keeps the same tokens.
+    """
+
+    name = "tova"
+    query_window = 1
+
+    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+        attention = grouped_attention(queries.queries, keys, queries.scaling, positions >= 0, causal_offset=None)
+        per_layer = attention.nan_to_num(0.0)[..., -1, :].mean(dim=(1, 2))  # [batch, seq]
+        return per_layer[:, None, :].expand(keys.shape[:3])
