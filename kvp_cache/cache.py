@@ -13,6 +13,7 @@ masks stay right after eviction (see shared/research/transformers_lmeval.md, A.6
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from kvp_cache.budget import Budget, kept_per_row, protect_sinks_and_window, validate_budget
 from kvp_cache.capture import QueryCapture
 from kvp_cache.compat import check_decoder_config, text_config
+from kvp_cache.prefill import Prefill
 from kvp_cache.scorers import Scorer, make_scorer
 
 
@@ -95,26 +97,34 @@ class EvictingLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[-2]
-        new_real = s.new_tokens_real
-        if new_real is None or new_real.shape != (key_states.shape[0], q):
-            new_real = torch.ones(key_states.shape[0], q, dtype=torch.bool, device=self.device)
-        new_real = new_real.to(self.device)
+        keys, values = self._append(key_states, value_states, s.new_tokens_real)
+        if key_states.shape[-2] > 1:
+            self._evict(layer_queries=s.queries.pop(self.layer_idx, None))
+        return keys, values
 
-        keys = torch.cat([self.keys, key_states], dim=-2)
-        values = torch.cat([self.values, value_states], dim=-2)
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, new_real: torch.Tensor | None):
+        """Concatenate the new states and their metadata; return the full states."""
+        b, _, q, _ = key_states.shape
+        if new_real is None or new_real.shape != (b, q):
+            new_real = torch.ones(b, q, dtype=torch.bool, device=self.device)
+        new_real = new_real.to(self.device)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
         self.valid = torch.cat([self.valid, new_real], dim=-1)
         self.seen_real = self.seen_real + new_real.sum(-1)
         if self.positions is not None:
-            new_pos = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
-            self.positions = torch.cat([self.positions, new_pos.expand(*keys.shape[:2], q)], dim=-1)
+            new_positions = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
+            self.positions = torch.cat([self.positions, new_positions.expand(b, self.keys.shape[1], q)], dim=-1)
         self.cumulative_length += q
-        self.keys, self.values = keys, values
-        if q > 1:
-            self._evict(layer_queries=s.queries.pop(self.layer_idx, None))
-        else:
-            self.appended_since_eviction += 1
-        return keys, values
+        self.appended_since_eviction += q
+        return self.keys, self.values
+
+    def load_and_evict(self, keys: torch.Tensor, values: torch.Tensor, attention_mask, queries) -> None:
+        """Take over uncompressed prompt states (``[batch, kv_heads, seq, head_dim]``) and evict."""
+        self.reset()
+        self.lazy_initialization(keys, values)
+        self._append(keys, values, attention_mask.bool() if attention_mask is not None else None)
+        self._evict(layer_queries=queries)
 
     def _evict(self, layer_queries) -> None:
         s = self.settings
@@ -302,6 +312,37 @@ class KVPCache(Cache):
         policy = policy if isinstance(policy, KVPolicy) else load_policy(policy)
         policy.check_compatible(model.config)
         return cls(model, method="kvp", budget=budget, sink_tokens=sink_tokens, window_tokens=window_tokens, policy=policy, **options)
+
+    @classmethod
+    def from_prefill(
+        cls, prefilled: Prefill, model: PreTrainedModel, method: str = "knorm", policy=None, **options
+    ) -> KVPCache:
+        """An already-compressed cache built from a :func:`kvp_cache.prefill.prefill` result.
+
+        The prefill is left untouched, so one prefill serves any number of (method, budget)
+        pairs; ``options`` are those of ``KVPCache`` (budget, sink_tokens, ..., method options).
+        With ``policy`` the method is the learned one, as in :meth:`from_pretrained`.
+        """
+        if policy is not None:
+            cache = cls.from_pretrained(policy, model=model, **options)
+        else:
+            cache = cls(model, method=method, **options)
+        mask = prefilled.attention_mask
+        for i, source in enumerate(prefilled.cache.layers):
+            target = cache.layers[i]
+            if not isinstance(target, EvictingLayer):
+                cache.layers[i] = copy.deepcopy(source)
+                continue
+            queries = prefilled.queries.get(i)
+            window = cache.settings.scorer.query_window
+            if queries is not None and window is not None and window > 0:
+                queries = dataclasses.replace(
+                    queries,
+                    queries=queries.queries[..., -window:, :],
+                    pre_rope_queries=queries.pre_rope_queries[..., -window:, :],
+                )
+            target.load_and_evict(source.keys, source.values, mask, queries)
+        return cache
 
     @property
     def evicting_layers(self) -> list[EvictingLayer]:

@@ -1,0 +1,69 @@
+"""Prefill once, compress many times: what budget sweeps need.
+
+``prefill`` runs the model over the prompt with a plain ``DynamicCache`` and every prompt query
+captured. ``KVPCache.from_prefill`` then builds an already-compressed cache for any (method,
+budget) from it without running the model again, and ``generate_after_prefill`` decodes from it
+greedily. The result is token-identical to ``model.generate(input_ids, past_key_values=KVPCache(...))``:
+the first new token comes from the exact prefill logits, later ones from the compressed cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvp_cache.capture import QueryCapture
+from kvp_cache.compat import text_config
+
+
+@dataclass
+class Prefill:
+    """The uncompressed prompt state of one batch.
+
+    cache: a ``DynamicCache`` over ``input_ids``.
+    queries: layer index -> ``QueryStates`` of every prompt token (full-attention layers only).
+    input_ids, attention_mask: ``[batch, seq]`` (mask may be None).
+    next_token_logits: ``[batch, vocab]`` logits of the first new token.
+    """
+
+    cache: DynamicCache
+    queries: dict
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    next_token_logits: torch.Tensor
+
+
+@torch.no_grad()
+def prefill(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
+    """Run ``model`` over ``input_ids`` (``[batch, seq]``) and keep its full state."""
+    cache = DynamicCache(config=text_config(model.config))
+    full_attention = {i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "DynamicLayer"}
+    capture = QueryCapture(model, window=-1, layer_indices=full_attention)
+    queries: dict = {}
+    capture.attach(queries)
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    finally:
+        capture.detach()
+    return Prefill(cache, queries, input_ids, attention_mask, out.logits[:, -1].float())
+
+
+@torch.no_grad()
+def generate_after_prefill(model: PreTrainedModel, prefilled: Prefill, cache, max_new_tokens: int, **kwargs):
+    """Greedy continuation ``[batch, max_new_tokens]`` of a prefilled prompt with ``cache``
+    (from ``KVPCache.from_prefill``); ``kwargs`` go to ``model.generate``."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    first = prefilled.next_token_logits.argmax(-1, keepdim=True)
+    if max_new_tokens == 1:
+        return first
+    ids = torch.cat([prefilled.input_ids, first], dim=-1)
+    mask = prefilled.attention_mask
+    if mask is not None:
+        mask = torch.cat([mask, torch.ones_like(first, dtype=mask.dtype)], dim=-1)
+    out = model.generate(
+        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens - 1, do_sample=False, **kwargs
+    )
+    return out[:, prefilled.input_ids.shape[1] :]
