@@ -1,0 +1,393 @@
+"""Offline RULER-style synthetic long-context tasks (Hsieh et al., 2024), sized with any tokenizer.
+
+The templates, needles and answer prefixes follow NVIDIA's RULER scripts (the set the KVP paper
+trains and evaluates on, via kvpress's ``simonjegou/ruler``); everything is generated locally from a
+seed, with built-in word lists instead of the ``wonderwords`` package, so nothing is downloaded.
+
+Tasks (RULER's defaults):
+
+- ``niah_single``: one needle "One of the special magic numbers for {key} is: {value}." in a haystack.
+- ``niah_multikey``: the asked needle plus 3 distractor needles with other keys.
+- ``niah_multivalue``: 4 needles with the same key; all 4 values must be returned.
+- ``niah_multiquery``: 4 needles with different keys, all asked at once.
+- ``vt``: variable tracking, a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... (4 hops) hidden in the
+  haystack; return every variable holding the value.
+- ``cwe``: common words extraction from a numbered word list (10 words repeated far more often).
+- ``fwe``: frequent words extraction from Zipf-distributed coded words (the 3 most frequent).
+
+The ``niah_*`` and ``vt`` tasks fill the context with ``haystack`` sentences (Paul Graham essays via
+:func:`load_haystack`, or RULER's "noise" sentences), starting at a seeded random sentence and
+wrapping around. Each sample's context plus question is sized to about ``context_tokens`` tokens
+of the given tokenizer (without the chat template, which :func:`chat_prompt` adds).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+NIAH_CONTEXT = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the numbers afterwards.\n"
+)
+NIAH_QUESTION = "What are all the special magic numbers for {query} mentioned in the provided text?"
+NIAH_ANSWER_PREFIX = "The special magic numbers for {query} mentioned in the provided text are"
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+
+VT_CONTEXT = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+VT_QUESTION = "Question: Find all variables that are assigned the value {value} in the text above."
+VT_ANSWER_PREFIX = (
+    "Answer: According to the chain(s) of variable assignment in the text above, {count} variables are "
+    "assigned the value {value}, they are:"
+)
+
+CWE_CONTEXT = (
+    "Below is a numbered list of words. In these words, some appear more often than others. "
+    "Memorize the ones that appear most often.\n"
+)
+CWE_QUESTION = "Question: What are the {count} most common words in the above list?"
+CWE_ANSWER_PREFIX = "Answer: The top {count} words that appear most often in the list are:"
+
+FWE_CONTEXT = (
+    "Read the following coded text and track the frequency of each coded word. "
+    "Find the three most frequently appeared coded words. "
+)
+FWE_QUESTION = (
+    "Question: Do not provide any explanation. Please ignore the dots '....'. "
+    "What are the three most frequently appeared words in the above coded text?"
+)
+FWE_ANSWER_PREFIX = "Answer: According to the coded text above, the three most frequently appeared words are:"
+
+# RULER defaults.
+MULTI_NEEDLES = 4  # keys in niah_multikey / niah_multiquery, values in niah_multivalue
+VT_HOPS = 4  # the chain has VT_HOPS + 1 variables
+CWE_COMMON = 10
+FWE_TOP = 3
+FWE_VOCAB = 2000
+FWE_WORD_LEN = 6
+FWE_ALPHA = 2.0
+FWE_ZETA = math.pi**2 / 6  # Riemann zeta(FWE_ALPHA): normalizes the Zipf counts to about `total` words
+DEPTHS = tuple(round(i * 100 / 39) for i in range(40))  # needle depths in percent, as in RULER
+LENGTH_TOLERANCE = 0.02  # the sizing loop stops within 2% of the target
+
+ADJECTIVES = """
+able absent active actual afraid agile alert alive ancient angry annual anxious aquatic arctic
+awake aware basic bitter blank blind bold brave brief bright brisk broad broken bumpy busy calm
+careful casual cheap cheerful chilly civil clean clever cloudy coastal cold common cosmic cozy
+crazy creamy crisp cruel curious cute damp daring dark dear decent deep dense distant dizzy
+dusty eager early easy elastic elegant empty endless equal exact exotic faint fair famous fancy
+fast fearless fierce final firm flat fluffy foggy formal fragile free fresh friendly frozen
+funny fuzzy gentle giant gifted glad global golden graceful grand green grumpy handsome happy
+hardy harsh heavy hidden hollow honest hot huge humble hungry icy ideal idle immense jolly
+juicy keen kind large lazy legal light little lively lonely loose loud lovely loyal lucky lunar
+magic major marine massive mellow merry mighty mild minor misty modern modest moist muddy mute
+narrow nasty native neat nervous noble noisy normal odd orange organic plain polite proud pure
+purple quick quiet rapid rare raw ready real rich rigid ripe rough round royal rural rusty sad
+safe salty scarce secret shaggy sharp shiny short shy silent silky silly simple sleek sleepy
+slim slow small smooth snowy soft solar solid sour spare spicy stable steady steep sticky stormy
+strange strict strong sunny super sweet swift tall tame tender thick thin tidy tiny tough
+tropical true ugly unique upset urban vacant vague valid vast velvet violet vital vivid warm
+wary weak wealthy weary wet whole wicked wide wild windy wise witty wooden young zealous
+""".split()
+
+NOUNS = """
+acorn actor airport album alley anchor angle animal ankle answer apple apron arch arena armor
+arrow artist atlas attic author avenue badge bakery ballet bamboo banana bandit banner barn
+barrel basket battery beach beacon bean bear beard bell bench berry bicycle biscuit blanket
+blossom boat bonnet boot bottle boulder bowl bracelet branch bread bridge brook broom bubble
+bucket buffalo bugle bundle butter button cabin cable cactus camera camel canal candle canoe
+canvas canyon captain carpet carrot castle cellar cereal chair chalk channel chapel cheese cherry
+chess chimney circus citizen clock cloud coffee collar comet compass copper cottage cotton
+council crayon creek cricket crystal cupboard curtain cushion dagger daisy desert diamond
+dinner dolphin donkey dragon drawer drum eagle easel elbow engine falcon feather fence ferry
+fiddle forest fossil fountain fox galaxy garden garlic gate giraffe glacier glove goblet goose
+granite grape guitar hammer harbor harvest helmet hermit hill honey horizon horse hotel island
+ivory jacket jaguar jewel journal jungle kettle kitten ladder lagoon lantern lemon lettuce
+library lighthouse lily lizard locket lobster magnet mango maple marble market meadow melon
+mirror mitten monkey moose mountain muffin museum mushroom needle nest notebook oasis ocean
+office olive onion orchard orchid otter owl paddle palace panda paper parade parrot peach
+pebble pelican pencil pepper piano pickle pigeon pillow pilot pine planet plum pocket pony
+potato prairie puppet pyramid quarry quilt rabbit raccoon radio raft rainbow raisin ribbon
+river robot rocket saddle salmon sandal satchel saucer scarf school scooter shadow shell
+shovel signal silver skate sled sparrow spider spoon squirrel stable stadium statue stove
+straw stream sugar summit sunset swan sweater table tablet teapot temple tent thimble thunder
+ticket tiger timber toaster tomato tower tractor trail trumpet tulip tunnel turtle umbrella
+unicorn valley vase velvet village violin volcano wagon walnut walrus wardrobe whale wheel
+whistle willow window wizard wolf yacht zebra
+""".split()
+
+VERBS = """
+accept admire advise allow amuse announce appear applaud arrange arrive attach balance bake
+bathe beg behave bless blink boast borrow bounce breathe bury calculate carve chase cheer chew
+clap collect compare complain confess crawl cycle dance decorate delay deliver describe dream
+drift educate embrace employ escape explore fetch float flutter fold gather giggle glide
+greet guard hover hunt hurry imagine invent juggle kneel knit laugh launch listen march
+measure melt mumble murmur nod observe obtain offer paint paddle parade perform polish pounce
+pray preserve pretend protect punch rescue ripple roar sail scatter scribble shiver sketch
+skip sneeze sparkle splash sprinkle squeeze stroll surprise swim tickle tiptoe travel tumble
+twinkle wander whisper wiggle wink wobble wonder yawn
+""".split()
+
+WORDS = tuple(dict.fromkeys(ADJECTIVES + NOUNS + VERBS))  # the cwe vocabulary, deduplicated
+
+
+@dataclass
+class Sample:
+    """One task instance.
+
+    context: the task instruction and the long text (what a compressed cache should summarize).
+    question: the question asked about it.
+    answers: every string the reply must contain (RULER's ``string_match_all``).
+    answer_prefix: the start of the reply, put after the chat template's generation prompt.
+    """
+
+    task: str
+    context: str
+    question: str
+    answers: list[str]
+    answer_prefix: str
+
+
+def load_haystack(essays_dir: str | Path | None) -> str:
+    """The concatenated ``*.txt`` essays of ``essays_dir`` (sorted by name), or RULER's noise text if None."""
+    if essays_dir is None:
+        return NOISE
+    path = Path(essays_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"essays_dir {str(path)!r} is not a directory (expected Paul Graham essays *.txt)"
+        )
+    files = sorted(path.glob("*.txt"))
+    if not files:
+        raise FileNotFoundError(f"essays_dir {str(path)!r} holds no *.txt files")
+    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+
+
+def make_samples(
+    task: str, tokenizer, context_tokens: int, n: int, seed: int = 0, haystack: str | None = None
+) -> list[Sample]:
+    """``n`` samples of ``task``, each with context + question of about ``context_tokens`` tokens.
+
+    Samples are a pure function of (task, tokenizer, context_tokens, seed, haystack, sample index):
+    sample ``i`` is the same whatever ``n`` is. ``haystack`` (default RULER's noise) fills the
+    ``niah_*`` and ``vt`` contexts; needles go at seeded random depths.
+    """
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; tasks: {', '.join(TASKS)}")
+    if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
+        raise ValueError(f"context_tokens must be an int >= 1, got {context_tokens!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    sentences = _sentences(NOISE if haystack is None else haystack)
+    if not sentences:
+        raise ValueError("haystack is empty; pass None for RULER's noise text")
+    builder = _BUILDERS[task]
+    samples = []
+    for index in range(n):
+        sample_seed = f"kvp-ruler/{task}/{seed}/{index}"
+        samples.append(builder(sample_seed, sentences, tokenizer, context_tokens))
+    return samples
+
+
+def chat_prompt(sample: Sample, tokenizer, question_in_context: bool = True) -> tuple[str, str]:
+    """``(prefix, suffix)``: ``prefix + suffix`` is the full prompt, ``prefix`` what gets compressed.
+
+    The full prompt is the chat template over one user turn ``context + "\\n" + question``, with
+    the generation prompt, followed by ``answer_prefix`` (as kvpress does). With
+    ``question_in_context=True`` (the paper's RULER protocol: the question is prefilled and
+    compressed with the context) ``prefix`` is the whole prompt and ``suffix`` is empty. With
+    ``False`` ``prefix`` ends right after the context, and ``suffix`` holds the question, the end of
+    the turn, the generation prompt and the answer prefix (asked after compression).
+    Tokenize both with ``add_special_tokens=False``: the template already holds them.
+    """
+    user = sample.context + "\n" + sample.question
+    if getattr(tokenizer, "chat_template", None):
+        full = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
+        )
+        full += sample.answer_prefix
+    else:
+        full = (getattr(tokenizer, "bos_token", None) or "") + user + "\n" + sample.answer_prefix
+    if question_in_context:
+        return full, ""
+    cut = full.find(sample.context)
+    if cut < 0:
+        raise ValueError("the chat template altered the context text; cannot split the prompt after it")
+    cut += len(sample.context)
+    return full[:cut], full[cut:]
+
+
+def score(sample: Sample, prediction: str) -> float:
+    """RULER's string match: the fraction of ``sample.answers`` found in ``prediction``, case-insensitive."""
+    prediction = prediction.lower()
+    return sum(answer.lower() in prediction for answer in sample.answers) / len(sample.answers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders: each returns one sample sized to the target, from a string seed.
+
+
+def _sentences(text: str) -> list[str]:
+    """Split on sentence ends, with whitespace collapsed (essays wrap lines mid-sentence)."""
+    return [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
+
+
+def _take(sentences: list[str], start: int, count: int) -> list[str]:
+    """``count`` sentences from ``start``, wrapping around the haystack."""
+    return [sentences[(start + i) % len(sentences)] for i in range(count)]
+
+
+def _niah(task: str) -> Callable:
+    def build(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
+        rng = random.Random(sample_seed)
+        num_keys = 1 if task in ("niah_single", "niah_multivalue") else MULTI_NEEDLES
+        num_values = MULTI_NEEDLES if task == "niah_multivalue" else 1
+        num_queries = MULTI_NEEDLES if task == "niah_multiquery" else 1
+        keys = _distinct(rng, num_keys, lambda: f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}")
+        values = _distinct(rng, num_keys * num_values, lambda: str(rng.randint(10**6, 10**7 - 1)))
+        needles = [(key, values[k * num_values + v]) for k, key in enumerate(keys) for v in range(num_values)]
+        rng.shuffle(needles)  # so the asked needle sits anywhere among the distractors
+        depths = sorted(rng.sample(DEPTHS, len(needles)))
+        asked = keys[:num_queries]
+        answers = [value for key, value in needles if key in asked]
+        start = rng.randrange(len(sentences))
+        query = asked[0] if len(asked) == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
+        question = NIAH_QUESTION.format(query=query)
+
+        def context(count: int) -> str:
+            text = _take(sentences, start, count)
+            # Insert from the deepest so earlier indices stay valid.
+            for depth, (key, value) in sorted(zip(depths, needles, strict=True), reverse=True):
+                text.insert(int(count * depth / 100), NEEDLE.format(key=key, value=value))
+            return NIAH_CONTEXT + " ".join(text)
+
+        text = context(_fit(context, question, tokenizer, target, task))
+        return Sample(task, text, question, answers, NIAH_ANSWER_PREFIX.format(query=query))
+
+    return build
+
+
+def _vt(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
+    rng = random.Random(sample_seed)
+    names = _distinct(rng, VT_HOPS + 1, lambda: "".join(rng.choices(string.ascii_uppercase, k=5)))
+    value = str(rng.randint(10000, 99999))
+    chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[j + 1]} = VAR {names[j]}." for j in range(VT_HOPS)]
+    fractions = sorted(rng.random() for _ in chain)
+    start = rng.randrange(len(sentences))
+    question = VT_QUESTION.format(value=value)
+
+    def context(count: int) -> str:
+        text = _take(sentences, start, count)
+        # The chain stays in order: statement j goes after slot fraction_j of the filler.
+        for j in reversed(range(len(chain))):
+            text.insert(int(count * fractions[j]), chain[j])
+        return VT_CONTEXT + " ".join(text)
+
+    text = context(_fit(context, question, tokenizer, target, "vt"))
+    prefix = VT_ANSWER_PREFIX.format(count=len(names), value=value)
+    return Sample("vt", text, question, names, prefix)
+
+
+def _cwe(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
+    # RULER repeats the common words 30x and the others 3x (6x / 1x below 4K tokens). When the
+    # vocabulary runs short for long contexts, both repeat counts grow by the same factor.
+    common_repeats, uncommon_repeats = (30, 3) if target >= 4096 else (6, 1)
+    question = CWE_QUESTION.format(count=CWE_COMMON)
+    uncommon_available = len(WORDS) - CWE_COMMON
+
+    def words(entries: int) -> tuple[list[str], list[str]]:
+        rng = random.Random(sample_seed)
+        scale = 1
+        while CWE_COMMON * common_repeats * scale + uncommon_available * uncommon_repeats * scale < entries:
+            scale += 1
+        common_n, uncommon_n = common_repeats * scale, uncommon_repeats * scale
+        chosen = rng.sample(WORDS, len(WORDS))
+        common = chosen[:CWE_COMMON]
+        uncommon = chosen[CWE_COMMON : CWE_COMMON + max(0, entries - CWE_COMMON * common_n) // uncommon_n]
+        listing = common * common_n + uncommon * uncommon_n
+        rng.shuffle(listing)
+        return listing, common
+
+    def context(entries: int) -> str:
+        listing, _ = words(entries)
+        return CWE_CONTEXT + " ".join(f"{i + 1}. {word}" for i, word in enumerate(listing))
+
+    entries = _fit(context, question, tokenizer, target, "cwe", minimum=CWE_COMMON * common_repeats)
+    _, common = words(entries)
+    return Sample("cwe", context(entries), question, common, CWE_ANSWER_PREFIX.format(count=CWE_COMMON))
+
+
+def _fwe(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
+    # RULER: a vocabulary of random 6-letter coded words whose counts follow Zipf(alpha = 2); the
+    # top-ranked "word" is the noise token '....', so the answers are ranks 2-4.
+    rng = random.Random(sample_seed)
+    vocab = _distinct(rng, FWE_VOCAB, lambda: "".join(rng.choices(string.ascii_lowercase, k=FWE_WORD_LEN)))
+    vocab[0] = "...."
+
+    def context(total: int) -> str:
+        counts = [int(total * k**-FWE_ALPHA / FWE_ZETA) for k in range(1, FWE_VOCAB + 1)]
+        text = [word for word, c in zip(vocab, counts, strict=True) for _ in range(c)]
+        random.Random(sample_seed).shuffle(text)
+        return FWE_CONTEXT + " ".join(text)
+
+    # The third answer needs a count > the fourth's: about 60 words at least.
+    text = context(_fit(context, FWE_QUESTION, tokenizer, target, "fwe", minimum=64))
+    return Sample("fwe", text, FWE_QUESTION, vocab[1 : 1 + FWE_TOP], FWE_ANSWER_PREFIX)
+
+
+def _distinct(rng: random.Random, count: int, draw: Callable[[], str]) -> list[str]:
+    out: dict[str, None] = {}
+    while len(out) < count:
+        out[draw()] = None
+    return list(out)
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _fit(
+    context: Callable[[int], str], question: str, tokenizer, target: int, task: str, minimum: int = 0
+) -> int:
+    """The ``size`` >= ``minimum`` whose ``context(size)`` + question is closest to ``target`` tokens.
+
+    ``size`` counts filler units (sentences, list entries, words); the token count grows about
+    linearly with it, so a few secant steps from a linear estimate land within LENGTH_TOLERANCE.
+    """
+
+    def length(size: int) -> int:
+        return _count(tokenizer, context(size) + "\n" + question)
+
+    base = length(minimum)
+    if base > target * (1 + LENGTH_TOLERANCE) + 8:
+        raise ValueError(
+            f"context_tokens={target} is too small for task {task!r}: its shortest prompt has {base} tokens"
+        )
+    probe = minimum + 16
+    measured = {minimum: base, probe: length(probe)}
+    size = probe
+    for _ in range(8):
+        per_unit = max((measured[size] - base) / (size - minimum), 1e-3)
+        size = max(minimum, minimum + math.floor((target - base) / per_unit))
+        if size not in measured:
+            measured[size] = length(size)
+        if abs(measured[size] - target) <= LENGTH_TOLERANCE * target or size == minimum:
+            break
+    return min(measured, key=lambda s: (abs(measured[s] - target), s))
+
+
+_BUILDERS: dict[str, Callable[[str, list[str], object, int], Sample]] = {
+    **{task: _niah(task) for task in TASKS if task.startswith("niah_")},
+    "vt": _vt,
+    "cwe": _cwe,
+    "fwe": _fwe,
+}
