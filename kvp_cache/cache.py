@@ -145,9 +145,10 @@ class EvictingLayer(DynamicLayer):
             )
         positions = valid.long().cumsum(-1) - 1
         positions = positions.masked_fill(~valid, -1)
-        scores = s.scorer.score(self.keys, self.values, positions, queries=layer_queries, layer_idx=self.layer_idx)
-        scores = protect_sinks_and_window(scores.float(), positions, real_in_cache, kept, s.sink_tokens, s.window_tokens)
-        index = select_slots(scores, valid, kept, slots)
+        with torch.no_grad():  # selection is not differentiable; don't build a graph for it
+            scores = s.scorer.score(self.keys, self.values, positions, queries=layer_queries, layer_idx=self.layer_idx)
+            scores = protect_sinks_and_window(scores.float(), positions, real_in_cache, kept, s.sink_tokens, s.window_tokens)
+            index = select_slots(scores, valid, kept, slots)
         gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather)

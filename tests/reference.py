@@ -1,0 +1,108 @@
+"""Independent reference for KVPCache: one full forward with an explicit per-layer, per-head mask.
+
+``ForwardRecorder`` snapshots, before every forward that uses the cache, which logical positions
+each evicting layer holds for each KV head. ``reference_logits`` then reruns the whole sequence
+from scratch with a custom attention function in which a query of forward ``f`` may see (a) the
+tokens of forward ``f`` up to itself and (b) among earlier tokens, only those the snapshot of
+forward ``f`` says were kept for that layer and KV head. Causality, padding and sliding windows
+are applied explicitly. Nothing here uses KVPCache's mask or length logic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from kvp_cache.cache import KVPCache, _cache_argument
+
+
+@dataclass
+class Snapshot:
+    start: int  # logical index of the forward's first token
+    length: int  # tokens in the forward
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (positions [b, h, S], valid [b, S])
+
+
+class ForwardRecorder:
+    def __init__(self, model: torch.nn.Module, cache: KVPCache):
+        self.cache = cache
+        self.snapshots: list[Snapshot] = []
+        decoder = model.get_decoder()
+        self._handle = decoder.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        if _cache_argument(kwargs) is not self.cache:
+            return
+        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        kept = {}
+        for layer in self.cache.evicting_layers:
+            if layer.is_initialized:
+                kept[layer.layer_idx] = (layer.positions.clone(), layer.valid.clone())
+        self.snapshots.append(Snapshot(self.cache.get_seq_length(), tokens.shape[1], kept))
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+_CONTEXT: dict = {}
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    allowed = _CONTEXT["allowed"](module.layer_idx, kwargs.get("sliding_window"))  # [b, kv_heads, T, T]
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    allowed = allowed.repeat_interleave(groups, dim=1)
+    logits = (query.float() @ key.float().transpose(-1, -2)) * (scaling if scaling is not None else module.scaling)
+    logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
+    weights = logits.softmax(-1)
+    out = (weights @ value.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register("kvp_reference", _reference_attention)
+
+
+@torch.no_grad()
+def reference_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    snapshots: list[Snapshot],
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits ``[batch, T, vocab]`` of the whole sequence under the recorded evictions."""
+    b, total = input_ids.shape
+    real = attention_mask.bool() if attention_mask is not None else torch.ones(b, total, dtype=torch.bool)
+    positions = (real.long().cumsum(-1) - 1).clamp_min(0)
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    base = causal[None] & real[:, None, :]  # [b, T(q), T(k)]
+    num_kv_heads = model.config.num_key_value_heads
+
+    def allowed(layer_idx: int, sliding_window: int | None) -> torch.Tensor:
+        mask = base[:, None].expand(b, num_kv_heads, total, total).clone()
+        if sliding_window:
+            q_idx = torch.arange(total)[:, None]
+            k_idx = torch.arange(total)[None, :]
+            mask &= (q_idx - k_idx < sliding_window)[None, None]
+            return mask
+        for snap in snapshots:
+            if layer_idx not in snap.kept:
+                continue
+            kept_positions, valid = snap.kept[layer_idx]
+            member = torch.zeros(b, num_kv_heads, snap.start, dtype=torch.bool)
+            weights = valid[:, None, :].expand_as(kept_positions)
+            member.scatter_(-1, kept_positions, weights)
+            rows = slice(snap.start, snap.start + snap.length)
+            mask[:, :, rows, : snap.start] = member[:, :, None, :] & real[:, None, None, : snap.start]
+        return mask
+
+    previous = model.config._attn_implementation
+    _CONTEXT["allowed"] = allowed
+    model.set_attn_implementation("kvp_reference")
+    try:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits.float()
+    finally:
+        model.set_attn_implementation(previous)
+        _CONTEXT.clear()

@@ -1,0 +1,324 @@
+"""KVPCache semantics, each checked against the independent reference in tests/reference.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, tiny_model
+from reference import ForwardRecorder, reference_logits
+from transformers import DynamicCache
+
+from kvp_cache import KVPCache, available_methods
+from kvp_cache.cache import EvictingLayer
+
+KV_ONLY = ["knorm", "keydiff", "streaming_llm", "random", "lagkv"]
+QUERY_AWARE = ["tova", "snapkv", "h2o", "expected_attention"]
+SMALL_OPTIONS = {"lagkv": {"lag_size": 8}, "snapkv": {"window_size": 8}}
+ATOL = 2e-4
+
+
+def make_cache(model, method="knorm", budget=20, **kwargs):
+    return KVPCache(model, method=method, budget=budget, track_positions=True, **SMALL_OPTIONS.get(method, {}), **kwargs)
+
+
+def ids(batch=1, length=48, seed=0, vocab=256):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, input_ids, cache, max_new_tokens=6, **kwargs):
+    out = model.generate(
+        input_ids,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.logits, dim=1).float()
+
+
+def check_generate_against_reference(model, prompt, cache, attention_mask=None, max_new_tokens=6):
+    recorder = ForwardRecorder(model, cache)
+    sequences, logits = greedy(model, prompt, cache, max_new_tokens, attention_mask=attention_mask)
+    recorder.remove()
+    mask = None
+    if attention_mask is not None:
+        mask = torch.cat([attention_mask, torch.ones_like(sequences[:, prompt.shape[1] :])], dim=-1)
+    ref = reference_logits(model, sequences, recorder.snapshots, mask)
+    steps = ref[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + logits.shape[1]]
+    torch.testing.assert_close(logits, steps, atol=ATOL, rtol=1e-4)
+    return sequences
+
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+@pytest.mark.parametrize("method", ["knorm", "snapkv"])
+def test_generate_matches_reference_on_every_family(kind, method):
+    model = tiny_model(kind)
+    cache = make_cache(model, method, budget=20)
+    check_generate_against_reference(model, ids(length=48), cache)
+    for layer in cache.layers:
+        if isinstance(layer, EvictingLayer):
+            assert layer.keys.shape[-2] == 20 + 5  # budget + decoded tokens (the last one is never fed)
+        else:  # sliding layers keep their own window, untouched
+            assert layer.keys.shape[-2] <= model.config.sliding_window
+    assert cache.get_seq_length() == 48 + 5
+
+
+@pytest.mark.parametrize("method", sorted(set(available_methods()) - {"kvp"}))
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_every_method_matches_reference(method, attn):
+    model = tiny_model("llama", attn_implementation=attn)
+    cache = make_cache(model, method, budget=0.4)
+    check_generate_against_reference(model, ids(length=50, seed=1), cache)
+
+
+def test_kept_entries_stay_in_original_order():
+    model = tiny_model("llama")
+    cache = make_cache(model, "random", budget=16, sink_tokens=2, window_tokens=2)
+    model(ids(length=40), past_key_values=cache)
+    for layer in cache.evicting_layers:
+        positions = layer.positions
+        assert positions.shape[-1] == 16
+        assert torch.all(positions[..., 1:] > positions[..., :-1])
+        # the heads choose differently: eviction really is per head
+        assert not torch.equal(positions[0, 0], positions[0, 1])
+
+
+def test_sinks_and_window_always_kept():
+    model = tiny_model("llama")
+    cache = make_cache(model, "random", budget=24, sink_tokens=4, window_tokens=8)
+    model(ids(length=64), past_key_values=cache)
+    for layer in cache.evicting_layers:
+        kept = set(layer.positions[0, 0].tolist())
+        assert {0, 1, 2, 3} <= kept and set(range(56, 64)) <= kept
+
+
+def test_direct_forward_uses_logical_positions():
+    """A direct model(next_ids, past_key_values=cache) gets RoPE positions from the logical length."""
+    model = tiny_model("llama")
+    cache = make_cache(model, "knorm", budget=12)
+    recorder = ForwardRecorder(model, cache)
+    prompt, continuation = ids(length=40), ids(length=5, seed=3)
+    model(prompt, past_key_values=cache)
+    observed = [model(continuation[:, i : i + 1], past_key_values=cache).logits for i in range(5)]
+    recorder.remove()
+    assert cache.get_seq_length() == 45
+    assert cache.get_mask_sizes(1, 0) == (12 + 5 + 1, 45 - 17)
+    ref = reference_logits(model, torch.cat([prompt, continuation], -1), recorder.snapshots)
+    torch.testing.assert_close(torch.cat(observed, 1).float(), ref[:, 40:], atol=ATOL, rtol=1e-4)
+
+
+def test_generate_resumes_from_prefilled_cache():
+    model = tiny_model("llama")
+    prompt = ids(length=40)
+    cache = make_cache(model, "knorm", budget=12)
+    recorder = ForwardRecorder(model, cache)
+    model(prompt[:, :-1], past_key_values=cache)
+    sequences, logits = greedy(model, prompt, cache, 5)
+    recorder.remove()
+    assert [s.length for s in recorder.snapshots] == [39, 1, 1, 1, 1, 1]  # only the last prompt token re-fed
+    ref = reference_logits(model, sequences, recorder.snapshots)
+    torch.testing.assert_close(logits, ref[:, 39:44], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("budget", [12, 0.5])
+@pytest.mark.parametrize("method", ["knorm", "snapkv", "h2o", "lagkv"])
+def test_left_padded_batch_rows_match_alone(budget, method):
+    model = tiny_model("llama")
+    long, short = ids(length=40, seed=4), ids(length=28, seed=5)
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 12, dtype=torch.long), short], -1)])
+    mask = torch.ones_like(batch)
+    mask[1, :12] = 0
+    cache = make_cache(model, method, budget=budget)
+    batched = check_generate_against_reference(model, batch, cache, attention_mask=mask)
+    for layer in cache.evicting_layers:  # pads are never kept as valid entries
+        kept = layer.positions[1][:, layer.valid[1]]
+        assert (kept >= 12).all()
+    for row, prompt in enumerate((long, short)):
+        alone, _ = greedy(model, prompt, make_cache(model, method, budget=budget))
+        assert torch.equal(batched[row, -6:], alone[0, -6:]), f"row {row} differs from its run alone"
+
+
+def test_row_shorter_than_budget_keeps_all_its_tokens():
+    model = tiny_model("llama")
+    batch = ids(batch=2, length=30)
+    mask = torch.ones_like(batch)
+    mask[1, :24] = 0  # 6 real tokens, budget 16
+    cache = make_cache(model, "knorm", budget=16)
+    check_generate_against_reference(model, batch, cache, attention_mask=mask)
+    assert cache.evicting_layers[0].valid[1].sum() == 6 + 5
+
+
+@pytest.mark.parametrize("method", ["knorm", "tova"])
+def test_beam_search_and_return_sequences(method):
+    model = tiny_model("llama")
+    prompt = ids(length=40)
+    cache = make_cache(model, method, budget=16)
+    out = model.generate(
+        prompt,
+        past_key_values=cache,
+        num_beams=3,
+        num_return_sequences=3,
+        max_new_tokens=5,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    assert out.sequences.shape == (3, 45)
+    transition = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
+    for row in range(3):  # each returned beam scores the same when teacher-forced through a fresh cache
+        forced = make_cache(model, method, budget=16)
+        logits = model(out.sequences[row : row + 1, :-1], past_key_values=forced).logits  # prompt + 4 in one go
+        del logits
+        forced = make_cache(model, method, budget=16)
+        step = model(prompt, past_key_values=forced).logits[:, -1]
+        scores = []
+        for t in range(5):
+            token = out.sequences[row, 40 + t]
+            scores.append(torch.log_softmax(step.float(), -1)[0, token])
+            step = model(token.view(1, 1), past_key_values=forced).logits[:, -1]
+        torch.testing.assert_close(torch.stack(scores), transition[row].float(), atol=1e-3, rtol=1e-3)
+
+
+def test_full_budget_is_token_identical_to_dynamic_cache_for_every_method():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    prompt = ids(length=40)
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    for method in sorted(set(available_methods()) - {"kvp"}):
+        for budget in (1.0, 40, 100):
+            out = model.generate(prompt, past_key_values=make_cache(model, method, budget), max_new_tokens=8, do_sample=False)
+            assert torch.equal(out, expected), (method, budget)
+
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+def test_physical_length_is_the_budget_after_prefill(kind):
+    model = tiny_model(kind)
+    for budget, expected in ((0.25, 15), (10, 10)):
+        cache = make_cache(model, "keydiff", budget=budget)
+        model(ids(length=60), past_key_values=cache)
+        assert cache.evicting_layers, "every family has full-attention layers"
+        for layer in cache.evicting_layers:
+            assert layer.keys.shape[-2] == layer.values.shape[-2] == expected
+
+
+def test_chunked_prefill_compresses_to_budget_and_matches_reference():
+    model = tiny_model("llama")
+    cache = make_cache(model, "knorm", budget=0.25)
+    prompt = ids(length=64)
+    check_generate_against_reference(model, prompt, cache, max_new_tokens=4)  # warm: single prefill
+    cache = make_cache(model, "knorm", budget=0.25)
+    recorder = ForwardRecorder(model, cache)
+    sequences, logits = greedy(model, prompt, cache, 4, prefill_chunk_size=16)
+    recorder.remove()
+    assert [s.length for s in recorder.snapshots][:4] == [16, 16, 16, 16]
+    ref = reference_logits(model, sequences, recorder.snapshots)
+    torch.testing.assert_close(logits, ref[:, 63:67], atol=ATOL, rtol=1e-4)
+    assert cache.evicting_layers[0].keys.shape[-2] == 16 + 3  # ceil(0.25 * 64) + decoded
+
+
+def test_multi_turn_second_generate_continues_correctly():
+    model = tiny_model("llama")
+    cache = make_cache(model, "knorm", budget=0.5)
+    recorder = ForwardRecorder(model, cache)
+    turn1 = ids(length=40)
+    first, _ = greedy(model, turn1, cache, 5)
+    conversation = torch.cat([first, ids(length=12, seed=7)], -1)
+    second, logits = greedy(model, conversation, cache, 5)
+    recorder.remove()
+    assert recorder.snapshots[-5].length == 12 + 1  # the last answer token and the new turn, nothing re-fed
+    ref = reference_logits(model, second, recorder.snapshots)
+    start = conversation.shape[1] - 1
+    torch.testing.assert_close(logits, ref[:, start : start + 5], atol=ATOL, rtol=1e-4)
+    assert cache.evicting_layers[0].keys.shape[-2] == -(-(conversation.shape[1] - 1) // 2) + 4 + 1
+
+
+def test_reset_crop_reorder_and_batch_methods_keep_metadata_consistent():
+    model = tiny_model("llama")
+    cache = make_cache(model, "knorm", budget=10)
+    model(ids(batch=2, length=30), past_key_values=cache)
+    for t in range(3):
+        model(ids(batch=2, length=1, seed=t), past_key_values=cache)
+    layer = cache.evicting_layers[0]
+
+    def consistent():
+        n = layer.keys.shape[-2]
+        assert layer.values.shape[-2] == layer.valid.shape[-1] == layer.positions.shape[-1] == n
+        assert layer.keys.shape[0] == layer.valid.shape[0] == layer.seen_real.shape[0] == layer.positions.shape[0]
+
+    cache.crop(-2)
+    consistent()
+    assert cache.get_seq_length() == 31 and layer.keys.shape[-2] == 11
+    with pytest.raises(ValueError, match="crop"):
+        cache.crop(-5)  # only decoded tokens can be cropped back
+    before = layer.keys.clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    consistent()
+    assert torch.equal(layer.keys[0], before[1])
+    cache.batch_repeat_interleave(2)
+    consistent()
+    assert layer.keys.shape[0] == 4
+    cache.batch_select_indices(torch.tensor([0, 3]))
+    consistent()
+    assert layer.keys.shape[0] == 2
+    cache.reset()
+    assert cache.get_seq_length() == 0 and not layer.is_initialized
+    model(ids(batch=1, length=30), past_key_values=cache)  # reusable after reset
+    consistent()
+    assert layer.keys.shape[-2] == 10
+
+
+@torch.no_grad()
+def test_deepcopy_is_independent_and_usable():
+    model = tiny_model("llama")
+    cache = make_cache(model, "snapkv", budget=10)
+    model(ids(length=30), past_key_values=cache)
+    clone = copy.deepcopy(cache)
+    token = ids(length=1, seed=9)
+    a = model(token, past_key_values=cache).logits
+    b = model(token, past_key_values=clone).logits
+    torch.testing.assert_close(a, b)
+    assert cache.evicting_layers[0].keys is not clone.evicting_layers[0].keys
+    assert clone.settings.scorer is cache.settings.scorer
+
+
+def test_config_built_cache_works_for_key_value_methods():
+    model = tiny_model("llama")
+    cache = KVPCache(model.config, method="knorm", budget=10, track_positions=True)
+    check_generate_against_reference(model, ids(length=30), cache)
+
+
+def test_bfloat16_model_keeps_dtype():
+    model = tiny_model("llama").to(torch.bfloat16)
+    cache = make_cache(model, "expected_attention", budget=10)
+    out = model.generate(ids(length=30), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 33)
+    assert cache.evicting_layers[0].keys.dtype == torch.bfloat16
+
+
+def test_kv_bytes_is_budget_times_full_plus_small_metadata():
+    model = tiny_model("llama")
+    prompt = ids(length=400, vocab=256)
+    full = DynamicCache(config=model.config)
+    model(prompt, past_key_values=full)
+    full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
+    cache = KVPCache(model, method="knorm", budget=0.25)
+    model(prompt, past_key_values=cache)
+    assert 0.25 * full_bytes <= cache.kv_bytes() <= 0.25 * full_bytes * 1.01
+
+
+def test_hooks_are_removed_when_cache_is_collected():
+    import gc
+
+    model = tiny_model("llama")
+    decoder = model.get_decoder()
+    attention = model.model.layers[0].self_attn
+    before = (len(decoder._forward_pre_hooks), len(decoder._forward_hooks))
+    cache = make_cache(model, "snapkv", budget=10)
+    model(ids(length=30), past_key_values=cache)
+    assert len(attention._forward_pre_hooks) == 0, "query capture is removed after the forward"
+    del cache
+    gc.collect()
+    assert (len(decoder._forward_pre_hooks), len(decoder._forward_hooks)) == before

@@ -1,0 +1,95 @@
+"""Bad input gets a clear, early error naming the parameter and the allowed range."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import BertConfig, LlamaConfig, T5Config
+
+from kvp_cache import KVPCache, make_scorer, validate_budget
+
+
+@pytest.mark.parametrize(
+    "budget, error, match",
+    [
+        (0, ValueError, r"int .* >= 1"),
+        (-3, ValueError, r">= 1"),
+        (0.0, ValueError, r"\(0, 1\]"),
+        (-0.5, ValueError, r"\(0, 1\]"),
+        (1.5, ValueError, r"\(0, 1\]"),
+        (float("nan"), ValueError, r"\(0, 1\]"),
+        ("0.5", TypeError, "budget must be"),
+        (None, TypeError, "budget must be"),
+        (True, TypeError, "budget must be"),
+    ],
+)
+def test_bad_budgets(budget, error, match):
+    with pytest.raises(error, match=match):
+        validate_budget(budget)
+    with pytest.raises(error, match=match):
+        KVPCache(tiny_model("llama"), budget=budget)
+
+
+def test_good_budgets():
+    assert validate_budget(1) == 1 and validate_budget(1.0) == 1.0 and validate_budget(0.25) == 0.25
+
+
+def test_unknown_method_lists_available_ones():
+    with pytest.raises(ValueError, match="available methods: .*knorm.*snapkv"):
+        KVPCache(tiny_model("llama"), method="nope")
+
+
+def test_unknown_method_option_lists_the_options():
+    with pytest.raises(TypeError, match="window_size"):
+        make_scorer("snapkv", windw_size=3)
+
+
+@pytest.mark.parametrize("name, value", [("sink_tokens", -1), ("window_tokens", 2.5), ("sink_tokens", "4")])
+def test_bad_protection_counts(name, value):
+    with pytest.raises(ValueError, match=name):
+        KVPCache(tiny_model("llama"), **{name: value})
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32), "decoder-only"),
+        (T5Config(d_model=32, num_layers=1, num_heads=2), "encoder-decoder"),
+    ],
+)
+def test_not_a_decoder_lm(config, match):
+    with pytest.raises(ValueError, match=match):
+        KVPCache(config)
+
+
+def test_not_a_model_or_config():
+    with pytest.raises(TypeError, match="model or its config"):
+        KVPCache("meta-llama/Llama-3.1-8B")
+
+
+def test_query_aware_method_needs_the_model():
+    with pytest.raises(ValueError, match="needs the prefill queries"):
+        KVPCache(tiny_model("llama").config, method="snapkv")
+
+
+def test_cache_passed_to_another_model_instance():
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    cache = KVPCache(model, budget=8)
+    with pytest.raises(RuntimeError, match="built for another model"):
+        other(torch.randint(0, 256, (1, 20)), past_key_values=cache)
+
+
+def test_cache_from_config_of_another_architecture():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2)
+    cache = KVPCache(config, budget=8)
+    with pytest.raises(ValueError, match="built for 4 KV heads"):
+        tiny_model("llama")(torch.randint(0, 256, (1, 20)), past_key_values=cache)
+
+
+def test_unsupported_transformers_version():
+    from kvp_cache.compat import check_transformers_version
+
+    with pytest.raises(ImportError, match="supports transformers"):
+        check_transformers_version("4.40.0")
+    with pytest.raises(ImportError, match="supports transformers"):
+        check_transformers_version("6.0.0")
+    check_transformers_version("5.24.0")
