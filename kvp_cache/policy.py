@@ -57,7 +57,15 @@ POSITION_STRATEGIES = {
 }
 
 # Architecture keys config.json must hold; the rest of the config are optional settings and metadata.
-ARCHITECTURE_KEYS = ("num_layers", "num_kv_heads", "head_dim", "hidden_dim", "pos_dim", "max_positions", "num_mlp_layers")
+ARCHITECTURE_KEYS = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "hidden_dim",
+    "pos_dim",
+    "max_positions",
+    "num_mlp_layers",
+)
 OPTIONAL_KEYS = ("position_strategy", "base_model", "training", "kvp_cache_version")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -200,7 +208,9 @@ class HeadAgents(nn.Module):
                 f"keys must be [batch, {self.num_heads}, seq, {self.head_dim}], got {tuple(keys.shape)}"
             )
         if values.shape != keys.shape:
-            raise ValueError(f"values must have the keys' shape {tuple(keys.shape)}, got {tuple(values.shape)}")
+            raise ValueError(
+                f"values must have the keys' shape {tuple(keys.shape)}, got {tuple(values.shape)}"
+            )
         b, h, n, d = keys.shape
         if positions.shape != (b, n):
             raise ValueError(f"positions must be [batch, seq] = {(b, n)}, got {tuple(positions.shape)}")
@@ -274,7 +284,9 @@ class KVPolicy(
         self.base_model = base_model
         self.training_info = check_training(training)
         self.layers = nn.ModuleList(
-            HeadAgents(num_kv_heads, head_dim, hidden_dim, pos_dim, max_positions, num_mlp_layers, position_strategy)
+            HeadAgents(
+                num_kv_heads, head_dim, hidden_dim, pos_dim, max_positions, num_mlp_layers, position_strategy
+            )
             for _ in range(num_layers)
         )
 
@@ -322,7 +334,12 @@ class KVPolicy(
             if getattr(self, name) != shape[name]
         ]
         model_id = getattr(config, "name_or_path", "") or ""
-        if check_base_model and _is_hub_id(self.base_model) and _is_hub_id(model_id) and model_id != self.base_model:
+        if (
+            check_base_model
+            and _is_hub_id(self.base_model)
+            and _is_hub_id(model_id)
+            and model_id != self.base_model
+        ):
             problems.append(f"base model: policy was trained for '{self.base_model}', model is '{model_id}'")
         if problems:
             raise ValueError(
@@ -370,7 +387,9 @@ class KVPolicy(
     def _save_pretrained(self, save_directory: Path) -> None:
         super()._save_pretrained(save_directory)  # model.safetensors via safetensors.torch.save_model
         # Written here so the mixin does not write its own snapshot of the __init__ arguments.
-        (save_directory / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2, sort_keys=True) + "\n")
+        (save_directory / CONFIG_NAME).write_text(
+            json.dumps(self.config_dict(), indent=2, sort_keys=True) + "\n"
+        )
 
     def push_to_hub(self, repo_id: str, *, model_card_kwargs: dict | None = None, **kwargs) -> str:
         """Upload config.json, model.safetensors and README.md to the Hub repo ``repo_id`` (created if needed).
@@ -426,7 +445,9 @@ class KVPolicy(
                 force_download=force_download,
                 local_files_only=local_files_only,
             )
-        return cls._load_files(config_file, weights_file, map_location, source=str(pretrained_model_name_or_path))
+        return cls._load_files(
+            config_file, weights_file, map_location, source=str(pretrained_model_name_or_path)
+        )
 
     @classmethod
     def _load_files(cls, config_file: Path, weights_file: Path, map_location, source: str) -> KVPolicy:
@@ -438,7 +459,9 @@ class KVPolicy(
         try:
             state = load_file(str(weights_file), device="cpu")
         except SafetensorError as error:
-            raise ValueError(f"Policy {source!r}: {weights_file.name} is not a valid safetensors file ({error})") from None
+            raise ValueError(
+                f"Policy {source!r}: {weights_file.name} is not a valid safetensors file ({error})"
+            ) from None
         check_state_dict(policy, state, source)
         policy.load_state_dict(state, strict=True)
         return policy.to(map_location).eval()
@@ -452,7 +475,9 @@ def check_training(training: dict | None) -> dict:
     if training is None:
         return {}
     if not isinstance(training, dict):
-        raise ValueError(f"training must be a dict (a JSON-able record of the training run) or None, got {training!r}")
+        raise ValueError(
+            f"training must be a dict (a JSON-able record of the training run) or None, got {training!r}"
+        )
     try:
         json.dumps(training)
     except TypeError as error:
@@ -480,7 +505,9 @@ def check_evaluation(evaluation: dict) -> None:
         if table == "methods" and not rows:
             raise ValueError("training['evaluation']['methods'] must map method names to costs per budget")
         if not isinstance(rows, dict):
-            raise ValueError(f"training['evaluation'][{table!r}] must be a dict {{method: [value per budget]}}")
+            raise ValueError(
+                f"training['evaluation'][{table!r}] must be a dict {{method: [value per budget]}}"
+            )
         for name, values in rows.items():
             if not isinstance(values, list) or len(values) != len(budgets):
                 raise ValueError(
@@ -498,7 +525,9 @@ def _format_number(value: Any) -> str:
 def _markdown_table(budgets: list, rows: dict[str, list]) -> str:
     header = "| method | " + " | ".join(_format_number(b) for b in budgets) + " |"
     rule = "|---|" + "---:|" * len(budgets)
-    lines = [f"| {name} | " + " | ".join(_format_number(v) for v in values) + " |" for name, values in rows.items()]
+    lines = [
+        f"| {name} | " + " | ".join(_format_number(v) for v in values) + " |" for name, values in rows.items()
+    ]
     return "\n".join([header, rule, *lines])
 
 
@@ -659,8 +688,10 @@ def resolve_local(name_or_path: str | Path) -> Path | None:
     if path.is_dir():
         return path
     if path.exists():
-        raise ValueError(f"Policy path {name!r} is a file; pass the directory holding config.json and {WEIGHTS_NAME}")
-    if isinstance(name_or_path, str) and HUB_ID.match(name) and not name.startswith("."):
+        raise ValueError(
+            f"Policy path {name!r} is a file; pass the directory holding config.json and {WEIGHTS_NAME}"
+        )
+    if isinstance(name_or_path, str) and HUB_ID.match(name):
         return None
     if "/" not in name and "\\" not in name:
         raise ValueError(
@@ -704,8 +735,14 @@ def _hub_files(repo_id: str, **download) -> tuple[Path, Path]:
                 f"Hub repo {repo_id!r} does not exist or is private (pass token=... for a private repo)"
             ) from None
         except EntryNotFoundError:
-            hint = " kvp_cache loads only safetensors weights, never pickle checkpoints." if filename == WEIGHTS_NAME else ""
-            raise ValueError(f"Hub repo {repo_id!r} has no {filename}; it is not a kvp_cache policy.{hint}") from None
+            hint = (
+                " kvp_cache loads only safetensors weights, never pickle checkpoints."
+                if filename == WEIGHTS_NAME
+                else ""
+            )
+            raise ValueError(
+                f"Hub repo {repo_id!r} has no {filename}; it is not a kvp_cache policy.{hint}"
+            ) from None
         except HfHubHTTPError as error:
             raise ValueError(f"Could not download {filename} of policy {repo_id!r}: {error}") from None
     return files[0], files[1]

@@ -1,0 +1,48 @@
+"""The learned KVP policy as a scorer (method "kvp"); build it with ``KVPCache.from_pretrained``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvp_cache.policy import KVPolicy
+from kvp_cache.scorers import register_scorer
+from kvp_cache.scorers.base import Scorer
+
+
+@register_scorer
+@dataclass
+class KVPScorer(Scorer):
+    """Scores from a trained :class:`~kvp_cache.policy.KVPolicy` (key, value and position per head; no queries).
+
+    Moschella et al., "Learning to Evict from Key-Value Cache" (arXiv 2602.10238). The policy
+    weights stay float32; keys and values are cast to them. Each layer's agents move to the
+    device of that layer's keys on first use, so a model split over devices keeps each layer's
+    agents next to its cache.
+    """
+
+    name = "kvp"
+    policy: KVPolicy | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            raise ValueError(
+                "method 'kvp' needs policy=..., use KVPCache.from_pretrained(policy, model=model, budget=...) "
+                "with a shipped policy name, a local directory or a Hub repo id"
+            )
+        if not isinstance(self.policy, KVPolicy):
+            raise TypeError(f"policy must be a kvp_cache.policy.KVPolicy, got {type(self.policy).__name__}")
+
+    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` float32 scores of layer ``layer_idx``; -inf on padding."""
+        if not 0 <= layer_idx < self.policy.num_layers:
+            raise ValueError(
+                f"The KVP policy has {self.policy.num_layers} layers but layer {layer_idx} asked for scores: "
+                "it was trained for another model"
+            )
+        agents = self.policy.layers[layer_idx]
+        if agents.position_table.device != keys.device:
+            agents.to(keys.device)
+        with torch.no_grad():
+            return self.policy(layer_idx, keys, values, positions)
