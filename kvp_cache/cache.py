@@ -431,7 +431,7 @@ class _ModelHooks:
         cache.set_attention_mask(mask[:, -q:] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
         if self.capture is not None and q > 1:
             self.capture.attach(s.queries)
-        kwargs["attention_mask"] = _mask_invalid_slots(cache, mask, tokens.shape[0], q)
+        kwargs["attention_mask"] = _mask_invalid_slots(cache, mask, tokens)
         return args, kwargs
 
     def _after(self, module, args, kwargs, output):
@@ -450,8 +450,9 @@ def _cache_argument(kwargs: dict):
     return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
 
 
-def _mask_invalid_slots(cache: KVPCache, mask: torch.Tensor | None, batch: int, q: int) -> torch.Tensor | None:
+def _mask_invalid_slots(cache: KVPCache, mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
     """Zero the 2-D mask columns that face padding slots of the cache (rows of a padded batch)."""
+    (batch, q), device = tokens.shape[:2], tokens.device
     layers = cache.evicting_layers
     if not layers or not layers[0].is_initialized or (mask is not None and mask.dim() != 2):
         return mask
@@ -460,10 +461,10 @@ def _mask_invalid_slots(cache: KVPCache, mask: torch.Tensor | None, batch: int, 
         return mask
     seen = layers[0].cumulative_length
     if mask is None:
-        mask = torch.ones(batch, seen + q, dtype=torch.long, device=valid.device)
+        mask = torch.ones(batch, seen + q, dtype=torch.long, device=device)
     mask = mask.clone()
     start = seen - valid.shape[-1]
-    mask[:, start:seen] = valid.to(mask.dtype)
+    mask[:, start:seen] = valid.to(device=mask.device, dtype=mask.dtype)
     return mask
 
 
