@@ -50,9 +50,10 @@ PAPER_URL = "https://arxiv.org/abs/2602.10238"
 POSITION_STRATEGIES = {
     "clamp": "positions >= max_positions share the last embedding row (the paper's code)",
     "scale": (
-        "a row of n > max_positions real tokens is spread over the whole table: position p reads "
-        "table[p * (max_positions - 1) / (n - 1)], linearly interpolated between rows (a relative "
-        "position); rows with n <= max_positions read exactly the rows 'clamp' reads"
+        "a row of n > max_positions real tokens is spread over the whole table (a relative position): "
+        "position p reads fractional row p * (max_positions - 1) / (n - 1), linearly interpolating the "
+        "position features of the two nearest rows; rows with n <= max_positions read exactly what "
+        "'clamp' reads"
     ),
 }
 
@@ -80,6 +81,11 @@ def _check_position_strategy(value: Any) -> None:
         raise ValueError(f"position_strategy must be one of {sorted(POSITION_STRATEGIES)}, got {value!r}")
 
 
+def _per_batch(weight: Tensor, batch: int) -> Tensor:
+    """Per-head parameters ``[heads, ...]`` repeated for ``[batch * heads, ...]`` inputs (batch-major)."""
+    return weight.repeat(batch, *(1,) * (weight.dim() - 1)) if batch > 1 else weight
+
+
 class StackedLinear(nn.Module):
     """``heads`` independent ``Linear(in_dim -> out_dim)``: weight ``[heads, in, out]``, bias ``[heads, out]``."""
 
@@ -95,9 +101,18 @@ class StackedLinear(nn.Module):
         nn.init.uniform_(self.weight, -bound, bound)
         nn.init.uniform_(self.bias, -bound, bound)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``[heads, n, in]`` -> ``[heads, n, out]``."""
-        return torch.baddbmm(self.bias[:, None, :], x, self.weight)
+    def centered_parameters(self) -> tuple[Tensor, Tensor]:
+        """Weight and bias with their mean over the outputs removed, so every output vector has zero mean.
+
+        Folding a following LayerNorm's centering into the weights leaves it only the RMS scaling,
+        which runs much faster on CPU for narrow features than ``layer_norm``.
+        """
+        return self.weight - self.weight.mean(-1, keepdim=True), self.bias - self.bias.mean(-1, keepdim=True)
+
+    def forward(self, x: Tensor, batch: int = 1, centered: bool = False) -> Tensor:
+        """``[batch * heads, n, in]`` -> ``[batch * heads, n, out]``; ``centered``: minus the mean over outputs."""
+        weight, bias = self.centered_parameters() if centered else (self.weight, self.bias)
+        return torch.baddbmm(_per_batch(bias, batch)[:, None, :], x, _per_batch(weight, batch))
 
 
 class StackedLayerNorm(nn.Module):
@@ -109,10 +124,18 @@ class StackedLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(heads, dim))
         self.bias = nn.Parameter(torch.zeros(heads, dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``[heads, n, dim]`` -> ``[heads, n, dim]``."""
-        normalized = F.layer_norm(x, x.shape[-1:], eps=self.eps)
-        return torch.addcmul(self.bias[:, None, :], normalized, self.weight[:, None, :])
+    def normalize(self, x: Tensor, centered: bool = False) -> Tensor:
+        """LayerNorm without its affine; ``centered``: ``x`` has zero mean over its last dim already."""
+        if centered:
+            # An RMS norm in two passes over x (F.rms_norm takes four on CPU).
+            mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
+            return x * torch.rsqrt(mean_square + self.eps)
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps)
+
+    def forward(self, x: Tensor, batch: int = 1, centered: bool = False) -> Tensor:
+        """``[batch * heads, n, dim]`` -> ``[batch * heads, n, dim]``."""
+        weight, bias = _per_batch(self.weight, batch), _per_batch(self.bias, batch)
+        return torch.addcmul(bias[:, None, :], self.normalize(x, centered), weight[:, None, :])
 
 
 class MLPBlock(nn.Module):
@@ -123,8 +146,9 @@ class MLPBlock(nn.Module):
         self.linear = StackedLinear(heads, in_dim, out_dim)
         self.norm = StackedLayerNorm(heads, out_dim)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.silu(self.norm(self.linear(x)))
+    def forward(self, x: Tensor, batch: int = 1) -> Tensor:
+        """``[batch * heads, n, in]`` -> ``[batch * heads, n, out]``."""
+        return F.silu(self.norm(self.linear(x, batch, centered=True), batch, centered=True))
 
 
 class HeadAgents(nn.Module):
@@ -184,17 +208,6 @@ class HeadAgents(nn.Module):
             rows = rows * (last / span)
         return rows.clamp(max=last)
 
-    def position_features(self, positions: Tensor) -> Tensor:
-        """``LayerNorm(table[row])`` per head: ``[heads, batch * seq, pos_dim]``."""
-        rows = self.table_positions(positions).flatten()
-        low = rows.floor().long()
-        embedded = self.position_table[:, low]
-        if self.position_strategy == "scale":
-            high = (low + 1).clamp(max=self.max_positions - 1)
-            fraction = (rows - low.float())[None, :, None].to(embedded.dtype)
-            embedded = torch.lerp(embedded, self.position_table[:, high], fraction)
-        return self.position_norm(embedded)
-
     def forward(self, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         """Score every entry of every head.
 
@@ -202,6 +215,12 @@ class HeadAgents(nn.Module):
             agents' dtype).
         positions: ``[batch, seq]`` long, the index among the row's real tokens, -1 on padding.
         Returns float32 ``[batch, heads, seq]``; padding gets -inf.
+
+        Computes exactly the module's definition (up to float rounding), arranged for speed:
+        the LayerNorm affines feeding the first MLP Linear are folded into its weights, every
+        Linear feeding a LayerNorm has that norm's centering folded in (leaving an RMS norm), and
+        the position branch (LayerNorm and its slice of the first Linear) runs once per table
+        row, not once per token; tokens gather their row's features.
         """
         if keys.dim() != 4 or keys.shape[1] != self.num_heads or keys.shape[-1] != self.head_dim:
             raise ValueError(
@@ -216,22 +235,51 @@ class HeadAgents(nn.Module):
             raise ValueError(f"positions must be [batch, seq] = {(b, n)}, got {tuple(positions.shape)}")
         dtype = self.position_table.dtype
         positions = positions.to(keys.device)
-
-        def per_head(x: Tensor) -> Tensor:  # [b, h, n, d] -> [h, b * n, d]
-            return x.to(dtype).transpose(0, 1).reshape(h, b * n, d)
-
-        features = torch.cat(
-            [
-                self.key_norm(self.key_proj(per_head(keys))),
-                self.value_norm(self.value_proj(per_head(values))),
-                self.position_features(positions),
-            ],
-            dim=-1,
+        hidden = self.key_proj.weight.shape[-1]
+        first = self.mlp[0]
+        w_key, w_value, w_position = first.linear.weight.split(
+            [hidden, hidden, self.position_table.shape[-1]], dim=1
         )
-        for block in self.mlp:
-            features = block(features)
-        scores = self.out(features).view(h, b, n).transpose(0, 1).float()
+        # (LN(x) * g + beta) @ W = LN(x) @ (g[:, None] * W) + beta @ W, per head; then remove the
+        # mean over the outputs from every term, so the LayerNorm that follows is an RMS norm.
+        constant = first.linear.bias + (
+            torch.bmm(self.key_norm.bias[:, None, :], w_key)
+            + torch.bmm(self.value_norm.bias[:, None, :], w_value)
+        ).squeeze(1)
+        per_row = torch.bmm(self.position_norm(self.position_table), w_position) + constant[:, None, :]
+        per_row = per_row - per_row.mean(-1, keepdim=True)
+        w_key = self.key_norm.weight[:, :, None] * w_key
+        w_value = self.value_norm.weight[:, :, None] * w_value
+        w_key = _per_batch(w_key - w_key.mean(-1, keepdim=True), b)
+        w_value = _per_batch(w_value - w_value.mean(-1, keepdim=True), b)
+
+        def normalized_projection(x: Tensor, proj: StackedLinear, norm: StackedLayerNorm) -> Tensor:
+            return norm.normalize(proj(x.to(dtype).reshape(b * h, n, d), b, centered=True), centered=True)
+
+        pre = self.gather_rows(per_row, positions).reshape(b * h, n, hidden)
+        pre = pre.baddbmm(normalized_projection(keys, self.key_proj, self.key_norm), w_key)
+        pre = pre.baddbmm(normalized_projection(values, self.value_proj, self.value_norm), w_value)
+        features = F.silu(first.norm(pre, b, centered=True))
+        for block in self.mlp[1:]:
+            features = block(features, b)
+        scores = self.out(features, b).view(b, h, n).float()
         return scores.masked_fill((positions < 0)[:, None, :], float("-inf"))
+
+    def gather_rows(self, per_row: Tensor, positions: Tensor) -> Tensor:
+        """Each token's position features: ``per_row`` ``[heads, max_positions, f]`` -> ``[batch, heads, seq, f]``.
+
+        "clamp" reads the token's row; "scale" interpolates linearly between the two rows around
+        its fractional row.
+        """
+        rows = self.table_positions(positions)
+        heads = torch.arange(self.num_heads, device=positions.device)[None, :, None]
+        low = rows.floor().long()
+        gathered = per_row[heads, low[:, None, :]]
+        if self.position_strategy == "scale":
+            high = (low + 1).clamp(max=self.max_positions - 1)
+            fraction = (rows - low.float())[:, None, :, None].to(per_row.dtype)
+            gathered = torch.lerp(gathered, per_row[heads, high[:, None, :]], fraction)
+        return gathered
 
 
 class KVPolicy(
@@ -370,14 +418,14 @@ class KVPolicy(
 
     # ---- saving -------------------------------------------------------------------------------
 
-    def save_pretrained(self, save_directory: str | Path, **kwargs) -> str | None:
+    def save_pretrained(self, save_directory: str | Path, *, config: None = None, **kwargs) -> str | None:
         """Write ``model.safetensors``, ``config.json`` and the model card ``README.md`` (all overwritten).
 
         Takes the keyword arguments of ``PyTorchModelHubMixin.save_pretrained`` (``push_to_hub``,
         ``repo_id``, ``model_card_kwargs``, ...); ``config`` is not accepted, since config.json
         always describes this policy (see :meth:`config_dict`).
         """
-        if "config" in kwargs:
+        if config is not None:
             raise TypeError("save_pretrained writes config.json from the policy itself; do not pass config=")
         check_training(self.training_info)
         # The mixin keeps an existing README.md; a stale card would describe another policy.
@@ -391,12 +439,14 @@ class KVPolicy(
             json.dumps(self.config_dict(), indent=2, sort_keys=True) + "\n"
         )
 
-    def push_to_hub(self, repo_id: str, *, model_card_kwargs: dict | None = None, **kwargs) -> str:
+    def push_to_hub(
+        self, repo_id: str, *, config: None = None, model_card_kwargs: dict | None = None, **kwargs
+    ) -> str:
         """Upload config.json, model.safetensors and README.md to the Hub repo ``repo_id`` (created if needed).
 
         Takes the keyword arguments of ``PyTorchModelHubMixin.push_to_hub`` (token, private, branch, ...).
         """
-        if "config" in kwargs:
+        if config is not None:
             raise TypeError("push_to_hub writes config.json from the policy itself; do not pass config=")
         model_card_kwargs = {"repo_id": repo_id, **(model_card_kwargs or {})}
         return super().push_to_hub(repo_id, model_card_kwargs=model_card_kwargs, **kwargs)

@@ -1,0 +1,117 @@
+"""Cost of the KVP policy next to the prefill it compresses, and the size of its weights.
+
+Prefills SmolLM2-135M-Instruct on ``--context-tokens`` tokens, then scores every KV head of every
+layer of that prefill's cache with a (randomly initialised) ``KVPolicy`` of each requested size,
+as ``KVPCache`` does after a prefill. Prefill and scoring alternate in every repeat, so a busy
+machine slows both alike; the medians are printed with their ratio, plus parameter count and
+weights size (fp32, and the saved model.safetensors).
+
+    .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from kvp_cache.policy import POSITION_STRATEGIES, KVPolicy
+from kvp_cache.smollm2 import load_smollm2
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context-tokens", type=int, default=4096, help="prompt length (default 4096)")
+    parser.add_argument("--hidden-dim", type=int, nargs="+", default=[32], help="one or more agent widths")
+    parser.add_argument("--pos-dim", type=int, default=8)
+    parser.add_argument("--max-positions", type=int, default=2048)
+    parser.add_argument("--num-mlp-layers", type=int, default=2)
+    parser.add_argument("--position-strategy", choices=sorted(POSITION_STRATEGIES), default="clamp")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    args = parser.parse_args()
+    for name in ("context_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def saved_size(policy: KVPolicy) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        policy.save_pretrained(tmp)
+        return (Path(tmp) / "model.safetensors").stat().st_size
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = load_smollm2()
+    vocab = model.config.vocab_size
+    input_ids = torch.randint(0, vocab, (1, args.context_tokens), generator=torch.Generator().manual_seed(0))
+
+    def prefill() -> DynamicCache:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids, cache=cache, use_cache=True)
+        return cache
+
+    cache = prefill()  # warm-up, and the keys/values every policy scores
+    states = [(layer.keys, layer.values) for layer in cache.layers]
+    positions = torch.arange(args.context_tokens)[None, :]
+    policies = {
+        hidden: KVPolicy.for_model(
+            model,
+            hidden_dim=hidden,
+            pos_dim=args.pos_dim,
+            max_positions=args.max_positions,
+            num_mlp_layers=args.num_mlp_layers,
+            position_strategy=args.position_strategy,
+        ).eval()
+        for hidden in args.hidden_dim
+    }
+
+    def score_all(policy: KVPolicy) -> None:
+        with torch.no_grad():
+            for layer_idx, (keys, values) in enumerate(states):
+                policy(layer_idx, keys, values, positions)
+
+    for policy in policies.values():
+        score_all(policy)  # warm-up
+    prefill_times, policy_times = [], {hidden: [] for hidden in policies}
+    for _ in tqdm(range(args.repeats), desc="repeats"):
+        prefill_times.append(timed(prefill))
+        for hidden, policy in policies.items():
+            policy_times[hidden].append(timed(lambda policy=policy: score_all(policy)))
+
+    prefill_s = statistics.median(prefill_times)
+    heads = model.config.num_hidden_layers * model.config.num_key_value_heads
+    print(
+        f"SmolLM2-135M, {args.context_tokens} tokens, {args.threads} threads, {args.repeats} repeats (medians); "
+        f"prefill {prefill_s * 1e3:.0f} ms; policy scores all {heads} KV heads; "
+        f"pos_dim {args.pos_dim}, max_positions {args.max_positions}, num_mlp_layers {args.num_mlp_layers}, "
+        f"position_strategy {args.position_strategy}"
+    )
+    print(f"{'hidden_dim':>10} {'params':>10} {'fp32 MB':>8} {'file MB':>8} {'policy ms':>10} {'policy/prefill':>15}")
+    for hidden, policy in policies.items():
+        params = policy.num_parameters()
+        policy_s = statistics.median(policy_times[hidden])
+        print(
+            f"{hidden:>10} {params:>10,} {params * 4 / 1e6:>8.2f} {saved_size(policy) / 1e6:>8.2f} "
+            f"{policy_s * 1e3:>10.1f} {policy_s / prefill_s:>14.2%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
