@@ -1,0 +1,292 @@
+"""The training module: collection against brute-force attention, the reward, the PL policy, fit,
+evaluate, and resumability. Tiny random models and synthetic traces only (seconds)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model  # noqa: F401  (the llama fixture builds on it)
+
+# `train` is a repo-level package run from a checkout (python -m train); make it importable under pytest.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvp_cache.policy import HeadAgents, load_policy
+from train import collect, data, evaluate, reward, rl
+from train.traces import TraceSplit, shard_dir, write_shard
+
+PROMPT, FUTURE = 40, 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors run several times faster on one thread than on two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_examples(count: int, seed: int, future: bool = True) -> list[data.Example]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        data.Example(
+            f"rand/{i}",
+            "rand",
+            torch.randint(0, 256, (PROMPT,), generator=g).tolist(),
+            torch.randint(0, 256, (FUTURE,), generator=g).tolist() if future else None,
+        )
+        for i in range(count)
+    ]
+
+
+@pytest.fixture
+def traces(tmp_path, llama):
+    splits = {"train": random_examples(3, 0), "val": random_examples(2, 1)}
+    collect.write_traces(llama, tmp_path, splits, {"val"}, shard_size=2, max_new_tokens=4, settings={"t": 1})
+    return tmp_path, splits
+
+
+def test_collect_matches_brute_force_attention(traces, llama):
+    root, splits = traces
+    val = TraceSplit(root, "val")
+    assert [s["uid"] for s in val.samples] == [e.uid for e in splits["val"]]
+    example = splits["val"][1]
+    with torch.no_grad():
+        out = llama(
+            torch.tensor([example.prompt_ids + example.future_ids]), output_attentions=True, use_cache=True
+        )
+    for layer, attention in enumerate(out.attentions):
+        stored = val.layer(layer)[1]
+        assert stored.keys.shape == (2, PROMPT, 16) and stored.keys.dtype == torch.float16
+        future_rows = attention[0, :, PROMPT:, :PROMPT]  # [q_heads=4, FUTURE, PROMPT]
+        expected = future_rows.reshape(2, 2, FUTURE, PROMPT).amax(dim=1).sum(dim=1)  # max over the group
+        torch.testing.assert_close(stored.importance, expected, atol=1e-5, rtol=1e-4)
+        cache_keys = out.past_key_values.layers[layer].keys[0, :, :PROMPT]
+        torch.testing.assert_close(stored.keys.float(), cache_keys, atol=2e-3, rtol=2e-3)
+        assert set(stored.scores) == set(collect.query_aware_methods())
+        assert all(s.shape == (2, PROMPT) for s in stored.scores.values())
+    assert TraceSplit(root, "train").layer(0)[0].scores == {}
+
+
+def test_collect_resumes_and_generates(tmp_path, llama):
+    splits = {"train": random_examples(3, 0, future=False)}
+    collect.write_traces(llama, tmp_path, splits, set(), shard_size=2, max_new_tokens=3, settings={"t": 1})
+    samples = TraceSplit(tmp_path, "train").samples
+    assert [s["future_tokens"] for s in samples] == [3, 3, 3]  # greedy answers (random model: no EOS)
+    first, second = shard_dir(tmp_path, "train", 0), shard_dir(tmp_path, "train", 1)
+    stamp = (first / "layer_00.safetensors").stat().st_mtime_ns
+    (second / "meta.json").unlink()  # an interrupted shard
+    collect.write_traces(llama, tmp_path, splits, set(), shard_size=2, max_new_tokens=3, settings={"t": 1})
+    assert (first / "layer_00.safetensors").stat().st_mtime_ns == stamp
+    assert (second / "meta.json").exists()
+    with pytest.raises(ValueError, match="other settings"):
+        collect.write_traces(
+            llama, tmp_path, splits, set(), shard_size=2, max_new_tokens=3, settings={"t": 2}
+        )
+
+
+def test_split_and_text_windows():
+    examples = random_examples(20, 0)
+    split = data.split_examples(examples, 0.15, seed=3)
+    assert len(split["val"]) == 3 and len(split["train"]) == 17
+    assert not {e.uid for e in split["val"]} & {e.uid for e in split["train"]}
+    assert split == data.split_examples(examples, 0.15, seed=3)
+
+    class ByteTokenizer:
+        eos_token_id = 0
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(text.encode())}
+
+    windows = data.text_examples(ByteTokenizer(), ["abcdefgh" * 10, "xyz" * 10], 5, 12, 4, seed=0)
+    assert all(len(w.prompt_ids) == 12 and len(w.future_ids) == 4 for w in windows)
+    with pytest.raises(ValueError, match="fewer than"):
+        data.text_examples(ByteTokenizer(), ["short"], 1, 12, 4, seed=0)
+
+
+def test_hf_dataset_offline_error(monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="network"):
+        data.hf_dataset_texts("kvp-cache-test/does-not-exist")
+
+
+# ---------------------------------------------------------------- reward
+
+
+def brute_force_cost(ranking: list[int], importance: list[float]) -> float:
+    c = [x / sum(importance) for x in importance]
+    return sum(sum(c[ranking[i]] for i in range(b, len(ranking))) for b in range(len(ranking)))
+
+
+def test_reward_oracle_reversed_and_brute_force():
+    g = torch.Generator().manual_seed(0)
+    importance = torch.rand(4, 30, generator=g) ** 4
+    oracle = importance.argsort(-1, descending=True)
+    assert torch.equal(reward.ranking_reward(oracle, importance), torch.full((4,), -1.0))
+    assert (reward.ranking_reward(oracle.flip(-1), importance) < -1).all()
+    for row in range(4):
+        ranking = torch.randperm(30, generator=g)
+        expected = brute_force_cost(ranking.tolist(), importance[row].tolist())
+        assert reward.ranking_cost(ranking, importance[row]).item() == pytest.approx(expected, rel=1e-5)
+        assert reward.ranking_reward(ranking, importance[row]).item() <= -1.0
+
+
+def test_evicted_fraction_and_protection():
+    importance = torch.tensor([[5.0, 1.0, 0.0, 3.0, 0.0, 1.0, 0.0, 0.0, 0.0, 10.0]])
+    scores = torch.arange(10.0).flip(0)[None]  # keeps the earliest tokens
+    curve = reward.evicted_fraction(scores, importance, [0.2, 0.5], protect=None)
+    assert curve[:, 0].tolist() == pytest.approx([14 / 20, 11 / 20])  # kept {0,1}, then {0..4}
+    # One sink and a one-token window: at budget 0.2 (2 kept) token 9 is forced in, then token 0.
+    protected = reward.evicted_fraction(scores, importance, [0.2], protect=(1, 1))
+    assert protected[0, 0].item() == pytest.approx(5 / 20)
+    assert (reward.oracle_evicted_fraction(importance, [0.2, 0.5]) <= curve).all()
+
+
+# ---------------------------------------------------------------- Plackett-Luce and RLOO
+
+
+def brute_force_log_prob(scores: list[float], ranking: list[int]) -> float:
+    remaining, total = list(ranking), 0.0
+    for item in ranking:
+        total += scores[item] - math.log(sum(math.exp(scores[j]) for j in remaining))
+        remaining.remove(item)
+    return total
+
+
+def test_plackett_luce_log_prob_matches_loop_with_padding():
+    scores = torch.tensor([[0.3, -1.2, 2.0, 0.5, 0.0], [1.0, 0.1, -0.4, 0.0, 0.0]])
+    valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    ranking = torch.tensor([[2, 0, 4, 3, 1], [1, 2, 0, 3, 4]])
+    steps = rl.plackett_luce_log_probs(scores, ranking, valid)
+    assert steps.sum(-1)[0].item() == pytest.approx(brute_force_log_prob(scores[0].tolist(), [2, 0, 4, 3, 1]))
+    assert steps.sum(-1)[1].item() == pytest.approx(brute_force_log_prob(scores[1, :3].tolist(), [1, 2, 0]))
+    assert steps[1, 3:].abs().sum() == 0
+
+
+def test_gumbel_sort_follows_plackett_luce():
+    scores = torch.tensor([1.0, 0.0, -0.5])
+    draws = 40_000
+    rankings = rl.gumbel_sort(scores.expand(draws, 3), torch.Generator().manual_seed(0))
+    for perm in itertools.permutations(range(3)):
+        expected = math.exp(brute_force_log_prob(scores.tolist(), list(perm)))
+        observed = (rankings == torch.tensor(perm)).all(-1).float().mean().item()
+        assert observed == pytest.approx(expected, abs=4 * math.sqrt(expected * (1 - expected) / draws))
+
+
+def test_rloo_advantages():
+    rewards = torch.tensor([[-1.0, -3.0], [-2.0, -3.0], [-6.0, -4.0]])
+    advantages = rl.rloo_advantages(rewards, clip=10.0)
+    raw = rewards[:, 0] - torch.stack(
+        [(rewards[[1, 2], 0]).mean(), rewards[[0, 2], 0].mean(), rewards[:2, 0].mean()]
+    )
+    expected = (raw - raw.mean()) / (raw.std() + 1e-8)
+    torch.testing.assert_close(advantages[:, 0], expected)
+    assert rl.rloo_advantages(rewards * 100, clip=1.0).abs().max() <= 1.0
+
+
+# ---------------------------------------------------------------- fit and evaluate
+
+
+def synthetic_traces(root, n_train=24, n_val=8, heads=2, tokens=48, dim=8):
+    """Importance is a fixed function of the keys (and early positions): a learnable ranking."""
+    g = torch.Generator().manual_seed(0)
+    info = {"name": "tiny", "num_layers": 2, "num_kv_heads": heads, "head_dim": dim}
+    for split, count in (("train", n_train), ("val", n_val)):
+        per_layer, metas = [], []
+        for _ in range(2):
+            tensors = {"keys": [], "values": [], "importance": []}
+            for _ in range(count):
+                n = tokens - int(torch.randint(0, 8, (1,), generator=g))
+                keys = torch.randn(heads, n, dim, generator=g)
+                tensors["keys"].append(keys.half())
+                tensors["values"].append(torch.randn(heads, n, dim, generator=g).half())
+                tensors["importance"].append(torch.exp(3 * keys[..., 0]))
+            per_layer.append(tensors)
+        metas = [{"uid": f"s/{i}", "source": "synthetic", "prompt_tokens": tokens} for i in range(count)]
+        write_shard(shard_dir(root, split, 0), per_layer, {"model": info, "methods": [], "samples": metas})
+
+
+def test_fit_improves_validation_reward_and_resumes(tmp_path):
+    synthetic_traces(tmp_path / "traces")
+    config = rl.FitConfig(
+        traces=str(tmp_path / "traces"),
+        out=str(tmp_path / "run"),
+        steps=60,
+        batch_size=8,
+        warmup=5,
+        eval_every=20,
+        lr=1e-2,
+        hidden_dim=16,
+        pos_dim=4,
+        max_positions=64,
+    )
+    policy_dir = rl.fit(config)
+    for layer in range(2):
+        history = json.loads((tmp_path / "run" / "layers" / f"layer_{layer:02d}.json").read_text())
+        assert history["best_val_reward"] > history["initial_val_reward"] + 0.05
+    policy = load_policy(policy_dir)
+    assert policy.training_info["steps"] == 60 and policy.hidden_dim == 16
+    stamp = (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns
+    rl.fit(config)  # every layer done: nothing retrains
+    assert (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("objective", ["regression", "ranknet", "listnet", "softsort"])
+def test_supervised_objectives_learn(objective):
+    torch.manual_seed(0)
+    keys = torch.randn(8, 2, 40, 8)
+    batch = {
+        "keys": keys,
+        "values": torch.randn(8, 2, 40, 8),
+        "importance": torch.exp(3 * keys[..., 0]),
+        "positions": torch.arange(40).expand(8, 40),
+        "valid": torch.ones(8, 40, dtype=torch.bool),
+    }
+    agents = HeadAgents(2, 8, 16, 4, 64, 2, "clamp")
+    config = rl.FitConfig(
+        "", "", objective=objective, steps=60, warmup=2, lr=1e-2, eval_every=10, ema_decay=0.9
+    )
+    before, _ = rl.validation_reward(agents, [batch])
+    from train.traces import LayerSample
+
+    samples = [
+        LayerSample(keys[i], batch["values"][i], batch["importance"][i], {}, f"s/{i}", "synthetic")
+        for i in range(8)
+    ]
+    history = rl.fit_layer(agents, samples, samples, config)
+    assert history["best_val_reward"] > before
+
+
+def test_evaluate_writes_table_json_png(traces, tmp_path, llama):
+    root, _ = traces
+    policy = rl.new_policy(
+        TraceSplit(root, "val").model, rl.FitConfig("", "", hidden_dim=8, max_positions=32)
+    )
+    policy.save_pretrained(tmp_path / "policy")
+    args = [
+        "--traces", str(root), "--policy", str(tmp_path / "policy"), "--out", str(tmp_path / "report"),
+        "--position-strategies", "clamp", "scale", "--budgets", "0.25", "0.5",
+    ]  # fmt: skip
+    from train.__main__ import main
+
+    main(["evaluate", *args])
+    result = json.loads((tmp_path / "report" / "eval_val.json").read_text())
+    methods = result["methods"]
+    assert {"kvp", "kvp[scale]", "oracle", "knorm", "tova", "snapkv", "h2o", "expected_attention"} <= set(
+        methods
+    )
+    assert methods["oracle"]["auc"] == pytest.approx(1.0)
+    assert all(m["auc"] >= 1.0 - 1e-6 for m in methods.values())
+    assert all(len(m["cost"]) == 2 for m in methods.values())
+    assert "| kvp |" in (tmp_path / "report" / "eval_val.md").read_text()
+    assert (tmp_path / "report" / "eval_val.png").stat().st_size > 1000
+    card = evaluate.card_evaluation(result)
+    assert card["budgets"] == [0.25, 0.5] and "kvp" in card["methods"]

@@ -1,0 +1,40 @@
+"""``python -m train {collect,fit,evaluate,push,reproduce} --help``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    from train import collect, evaluate, push, reproduce, rl
+
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, module, help_text in [
+        ("collect", collect, "run a model over prompts and store K/V + future-attention importance"),
+        ("fit", rl, "train a KVPolicy on collected traces (RL or a supervised ablation)"),
+        ("evaluate", evaluate, "eviction-cost curves of a policy and every baseline on held-out traces"),
+        ("push", push, "publish a trained policy directory to the Hugging Face Hub"),
+        ("reproduce", reproduce, "collect + fit + evaluate the shipped SmolLM2 default from nothing"),
+    ]:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub)
+        sub.set_defaults(func=getattr(module, f"{name}_command"))
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(getattr(args, "threads", 2) or 2)
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""On-disk traces: ``<root>/<split>/shard_XXXXX/layer_YY.safetensors`` plus ``meta.json``.
+
+One file per (shard, layer) holds every sample of the shard concatenated along the token axis:
+
+- ``keys``, ``values``: ``[kv_heads, total_tokens, head_dim]`` float16, post-RoPE prompt K/V;
+- ``importance``: ``[kv_heads, total_tokens]`` float32, future attention per prompt token;
+- ``offsets``: ``[samples + 1]`` int64, sample ``i`` is ``[offsets[i], offsets[i+1])``;
+- ``score.<method>``: ``[kv_heads, total_tokens]`` float32, query-aware baseline scores (held-out
+  splits only).
+
+``meta.json`` is written last, so a shard without it is unfinished and ``collect`` redoes it.
+Files are read through ``safetensors.safe_open`` (memory-mapped): only the layer being trained is
+ever materialized.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def shard_dir(root: Path, split: str, index: int) -> Path:
+    return Path(root) / split / f"shard_{index:05d}"
+
+
+def layer_file(shard: Path, layer: int) -> Path:
+    return shard / f"layer_{layer:02d}.safetensors"
+
+
+def shard_done(shard: Path) -> bool:
+    return (shard / "meta.json").exists()
+
+
+def write_shard(shard: Path, per_layer: list[dict[str, list[torch.Tensor]]], meta: dict) -> None:
+    """Write one shard. ``per_layer[l][name]`` is a list over samples of ``[kv_heads, n_i, ...]``."""
+    shard.mkdir(parents=True, exist_ok=True)
+    for layer, tensors in enumerate(per_layer):
+        lengths = [t.shape[1] for t in tensors["keys"]]
+        offsets = torch.tensor([0] + lengths).cumsum(0)
+        out = {"offsets": offsets}
+        for name, chunks in tensors.items():
+            out[name] = torch.cat(chunks, dim=1).contiguous()
+        save_file(out, str(layer_file(shard, layer)))
+    (shard / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+@dataclass
+class LayerSample:
+    """One sample of one layer. keys/values ``[kv_heads, n, head_dim]`` float16, importance
+    ``[kv_heads, n]``, scores: method -> ``[kv_heads, n]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    importance: torch.Tensor
+    scores: dict[str, torch.Tensor]
+    uid: str
+    source: str
+
+
+class TraceSplit:
+    """The finished shards of one split, e.g. ``TraceSplit("runs/smollm2", "val")``."""
+
+    def __init__(self, root: str | Path, split: str):
+        self.dir = Path(root) / split
+        self.shards = (
+            sorted(p for p in self.dir.glob("shard_*") if shard_done(p)) if self.dir.is_dir() else []
+        )
+        if not self.shards:
+            raise FileNotFoundError(
+                f"no finished shards under {self.dir}; run `python -m train collect` first"
+            )
+        self.metas = [json.loads((s / "meta.json").read_text()) for s in self.shards]
+        self.model = self.metas[0]["model"]
+
+    @property
+    def samples(self) -> list[dict]:
+        return [s for m in self.metas for s in m["samples"]]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def layer(self, layer: int) -> list[LayerSample]:
+        """Every sample of ``layer`` (views into the memory-mapped shard files)."""
+        out = []
+        for shard, meta in zip(self.shards, self.metas, strict=True):
+            with safe_open(str(layer_file(shard, layer)), framework="pt") as f:
+                names = list(f.keys())
+                tensors = {name: f.get_tensor(name) for name in names}
+            offsets = tensors["offsets"].tolist()
+            for i, info in enumerate(meta["samples"]):
+                a, b = offsets[i], offsets[i + 1]
+                scores = {n.split(".", 1)[1]: t[:, a:b] for n, t in tensors.items() if n.startswith("score.")}
+                out.append(
+                    LayerSample(
+                        tensors["keys"][:, a:b],
+                        tensors["values"][:, a:b],
+                        tensors["importance"][:, a:b],
+                        scores,
+                        info["uid"],
+                        info["source"],
+                    )
+                )
+        return out
