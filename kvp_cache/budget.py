@@ -42,7 +42,12 @@ def kept_per_row(budget: Budget, real_lengths: torch.Tensor) -> torch.Tensor:
 
 
 def protect_sinks_and_window(
-    scores: torch.Tensor, positions: torch.Tensor, real_lengths: torch.Tensor, kept: torch.Tensor, sinks: int, window: int
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    real_lengths: torch.Tensor,
+    kept: torch.Tensor,
+    sinks: int,
+    window: int,
 ) -> torch.Tensor:
     """Force the first ``sinks`` and last ``window`` real tokens of every row into the kept set.
 

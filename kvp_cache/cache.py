@@ -41,7 +41,9 @@ class EvictionSettings:
     track_positions: bool = False
     built_from_model: bool = False
     # Per-forward state written by the model hooks.
-    new_tokens_real: torch.Tensor | None = None  # [batch, q] bool, real (non-pad) flags of this forward's tokens
+    new_tokens_real: torch.Tensor | None = (
+        None  # [batch, q] bool, real (non-pad) flags of this forward's tokens
+    )
     in_forward: bool = False
     queries: dict[int, object] = field(default_factory=dict)  # layer_idx -> QueryStates of this forward
 
@@ -113,8 +115,12 @@ class EvictingLayer(DynamicLayer):
         self.valid = torch.cat([self.valid, new_real], dim=-1)
         self.seen_real = self.seen_real + new_real.sum(-1)
         if self.positions is not None:
-            new_positions = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
-            self.positions = torch.cat([self.positions, new_positions.expand(b, self.keys.shape[1], q)], dim=-1)
+            new_positions = torch.arange(
+                self.cumulative_length, self.cumulative_length + q, device=self.device
+            )
+            self.positions = torch.cat(
+                [self.positions, new_positions.expand(b, self.keys.shape[1], q)], dim=-1
+            )
         self.cumulative_length += q
         self.appended_since_eviction += q
         return self.keys, self.values
@@ -146,8 +152,12 @@ class EvictingLayer(DynamicLayer):
         positions = valid.long().cumsum(-1) - 1
         positions = positions.masked_fill(~valid, -1)
         with torch.no_grad():  # selection is not differentiable; don't build a graph for it
-            scores = s.scorer.score(self.keys, self.values, positions, queries=layer_queries, layer_idx=self.layer_idx)
-            scores = protect_sinks_and_window(scores.float(), positions, real_in_cache, kept, s.sink_tokens, s.window_tokens)
+            scores = s.scorer.score(
+                self.keys, self.values, positions, queries=layer_queries, layer_idx=self.layer_idx
+            )
+            scores = protect_sinks_and_window(
+                scores.float(), positions, real_in_cache, kept, s.sink_tokens, s.window_tokens
+            )
             index = select_slots(scores, valid, kept, slots)
         gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
@@ -158,7 +168,9 @@ class EvictingLayer(DynamicLayer):
 
     def _padding_aligned(self, kept: torch.Tensor, slots: int) -> bool:
         """True if the invalid slots fall exactly on the zero columns of the caller's left-padded mask."""
-        return bool((kept == torch.minimum(self.valid.sum(-1), torch.tensor(slots, device=self.device))).all())
+        return bool(
+            (kept == torch.minimum(self.valid.sum(-1), torch.tensor(slots, device=self.device))).all()
+        )
 
     def get_seq_length(self, *args) -> int:
         return self.cumulative_length
@@ -312,7 +324,15 @@ class KVPCache(Cache):
 
         policy = policy if isinstance(policy, KVPolicy) else load_policy(policy)
         policy.check_compatible(model.config)
-        return cls(model, method="kvp", budget=budget, sink_tokens=sink_tokens, window_tokens=window_tokens, policy=policy, **options)
+        return cls(
+            model,
+            method="kvp",
+            budget=budget,
+            sink_tokens=sink_tokens,
+            window_tokens=window_tokens,
+            policy=policy,
+            **options,
+        )
 
     @classmethod
     def from_prefill(
@@ -423,7 +443,9 @@ class _ModelHooks:
             return None
         s = cache.settings
         s.in_forward = True
-        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        tokens = (
+            kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        )
         if tokens is None and args:
             tokens = args[0]
         q = tokens.shape[1]
@@ -450,7 +472,9 @@ def _cache_argument(kwargs: dict):
     return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
 
 
-def _mask_invalid_slots(cache: KVPCache, mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+def _mask_invalid_slots(
+    cache: KVPCache, mask: torch.Tensor | None, tokens: torch.Tensor
+) -> torch.Tensor | None:
     """Zero the 2-D mask columns that face padding slots of the cache (rows of a padded batch)."""
     (batch, q), device = tokens.shape[:2], tokens.device
     layers = cache.evicting_layers

@@ -22,7 +22,9 @@ class QueryCapture:
     def __init__(self, model: torch.nn.Module, window: int, layer_indices: set[int]):
         self.window = window
         self.modules = [
-            m for m in model.modules() if getattr(m, "layer_idx", None) in layer_indices and hasattr(m, "q_proj")
+            m
+            for m in model.modules()
+            if getattr(m, "layer_idx", None) in layer_indices and hasattr(m, "q_proj")
         ]
         if len(self.modules) != len(layer_indices):
             raise NotImplementedError(
@@ -56,7 +58,9 @@ class QueryCapture:
 
 
 @torch.no_grad()
-def queries_of(module: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: int):
+def queries_of(
+    module: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: int
+):
     """QueryStates of the last ``window`` tokens (all if -1) of ``hidden`` ``[batch, seq, hidden]``."""
     n = hidden.shape[1] if window < 0 else min(window, hidden.shape[1])
     head_dim = module.head_dim
@@ -71,7 +75,9 @@ def queries_of(module: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
     # last position it lets scorers rotate query statistics to future positions without knowing
     # the model's rotary class.
     angle_last = torch.atan2(sin[0, -1], cos[0, -1]).float()
-    angle_prev = torch.atan2(sin[0, -2], cos[0, -2]).float() if cos.shape[1] > 1 else torch.zeros_like(angle_last)
+    angle_prev = (
+        torch.atan2(sin[0, -2], cos[0, -2]).float() if cos.shape[1] > 1 else torch.zeros_like(angle_last)
+    )
     return QueryStates(
         queries=post,
         pre_rope_queries=pre,

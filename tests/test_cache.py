@@ -20,7 +20,9 @@ ATOL = 2e-4
 
 
 def make_cache(model, method="knorm", budget=20, **kwargs):
-    return KVPCache(model, method=method, budget=budget, track_positions=True, **SMALL_OPTIONS.get(method, {}), **kwargs)
+    return KVPCache(
+        model, method=method, budget=budget, track_positions=True, **SMALL_OPTIONS.get(method, {}), **kwargs
+    )
 
 
 def ids(batch=1, length=48, seed=0, vocab=256):
@@ -168,10 +170,14 @@ def test_beam_search_and_return_sequences(method):
         return_dict_in_generate=True,
     )
     assert out.sequences.shape == (3, 45)
-    transition = model.compute_transition_scores(out.sequences, out.scores, out.beam_indices, normalize_logits=False)
+    transition = model.compute_transition_scores(
+        out.sequences, out.scores, out.beam_indices, normalize_logits=False
+    )
     for row in range(3):  # each returned beam scores the same when teacher-forced through a fresh cache
         forced = make_cache(model, method, budget=16)
-        logits = model(out.sequences[row : row + 1, :-1], past_key_values=forced).logits  # prompt + 4 in one go
+        logits = model(
+            out.sequences[row : row + 1, :-1], past_key_values=forced
+        ).logits  # prompt + 4 in one go
         del logits
         forced = make_cache(model, method, budget=16)
         step = model(prompt, past_key_values=forced).logits[:, -1]
@@ -189,7 +195,9 @@ def test_full_budget_is_token_identical_to_dynamic_cache_for_every_method():
     expected = model.generate(prompt, max_new_tokens=8, do_sample=False)
     for method in sorted(set(available_methods()) - {"kvp"}):
         for budget in (1.0, 40, 100):
-            out = model.generate(prompt, past_key_values=make_cache(model, method, budget), max_new_tokens=8, do_sample=False)
+            out = model.generate(
+                prompt, past_key_values=make_cache(model, method, budget), max_new_tokens=8, do_sample=False
+            )
             assert torch.equal(out, expected), (method, budget)
 
 
@@ -247,7 +255,12 @@ def test_reset_crop_reorder_and_batch_methods_keep_metadata_consistent():
     def consistent():
         n = layer.keys.shape[-2]
         assert layer.values.shape[-2] == layer.valid.shape[-1] == layer.positions.shape[-1] == n
-        assert layer.keys.shape[0] == layer.valid.shape[0] == layer.seen_real.shape[0] == layer.positions.shape[0]
+        assert (
+            layer.keys.shape[0]
+            == layer.valid.shape[0]
+            == layer.seen_real.shape[0]
+            == layer.positions.shape[0]
+        )
 
     cache.crop(-2)
     consistent()

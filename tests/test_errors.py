@@ -52,7 +52,10 @@ def test_bad_protection_counts(name, value):
 @pytest.mark.parametrize(
     "config, match",
     [
-        (BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32), "decoder-only"),
+        (
+            BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32),
+            "decoder-only",
+        ),
         (T5Config(d_model=32, num_layers=1, num_heads=2), "encoder-decoder"),
     ],
 )

@@ -27,7 +27,12 @@ def test_generate_matches_reference_at_2k_tokens(smollm2, needle_prompt, method)
     cache = KVPCache(model, method=method, budget=0.25, track_positions=True)
     recorder = ForwardRecorder(model, cache)
     out = model.generate(
-        prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        prompt,
+        past_key_values=cache,
+        max_new_tokens=4,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     recorder.remove()
     logits = torch.stack(out.logits, 1).float()
@@ -43,7 +48,12 @@ def test_full_budget_identical_to_dynamic_cache(smollm2, needle_prompt):
     model, tokenizer = smollm2
     sample, prompt = needle_prompt
     expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
-    out = model.generate(prompt, past_key_values=KVPCache(model, method="knorm", budget=1.0), max_new_tokens=12, do_sample=False)
+    out = model.generate(
+        prompt,
+        past_key_values=KVPCache(model, method="knorm", budget=1.0),
+        max_new_tokens=12,
+        do_sample=False,
+    )
     assert torch.equal(out, expected)
     # the needle is retrieved at 2K with the full cache, so the budget sweeps have something to lose
     assert sample.answers[0] in tokenizer.decode(expected[0, prompt.shape[1] :])

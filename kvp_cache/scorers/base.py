@@ -76,7 +76,11 @@ def group_queries(queries: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def grouped_attention(
-    queries: torch.Tensor, keys: torch.Tensor, scaling: float, key_valid: torch.Tensor, causal_offset: int | None
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    key_valid: torch.Tensor,
+    causal_offset: int | None,
 ) -> torch.Tensor:
     """Softmax attention of ``queries`` over ``keys`` per query head.
 

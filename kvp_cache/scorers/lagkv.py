@@ -36,7 +36,9 @@ class LagKVScorer(Scorer):
         if partitions < 2:
             return scores
         end = self.n_sink + partitions * self.lag_size
-        lagged = self._lagged_score(keys[:, self.n_sink : end]) + self._lagged_score(values[:, self.n_sink : end])
+        lagged = self._lagged_score(keys[:, self.n_sink : end]) + self._lagged_score(
+            values[:, self.n_sink : end]
+        )
         scores[:, self.n_sink : end - self.lag_size] = lagged.reshape(h, -1)
         return scores
 

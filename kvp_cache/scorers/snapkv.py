@@ -27,7 +27,9 @@ class SnapKVScorer(Scorer):
     def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
         b, h, n, _ = keys.shape
         window = queries.queries.shape[-2]
-        attention = grouped_attention(queries.queries, keys, queries.scaling, positions >= 0, causal_offset=n - window)
+        attention = grouped_attention(
+            queries.queries, keys, queries.scaling, positions >= 0, causal_offset=n - window
+        )
         observed = attention.nan_to_num(0.0).mean(dim=-2)  # [b, h, group, n]
         pooled = F.avg_pool1d(observed.flatten(0, 2)[:, None], self.kernel_size, 1, self.kernel_size // 2)
         scores = pooled.view(b, h, -1, n).mean(dim=2)

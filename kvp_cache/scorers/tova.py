@@ -18,6 +18,8 @@ class TOVAScorer(Scorer):
     query_window = 1
 
     def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
-        attention = grouped_attention(queries.queries, keys, queries.scaling, positions >= 0, causal_offset=None)
+        attention = grouped_attention(
+            queries.queries, keys, queries.scaling, positions >= 0, causal_offset=None
+        )
         per_layer = attention.nan_to_num(0.0)[..., -1, :].mean(dim=(1, 2))  # [batch, seq]
         return per_layer[:, None, :].expand(keys.shape[:3])
