@@ -12,6 +12,7 @@ weights size (fp32, and the saved model.safetensors).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -30,7 +31,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context-tokens", type=int, default=4096, help="prompt length (default 4096)")
     parser.add_argument("--hidden-dim", type=int, nargs="+", default=[32], help="one or more agent widths")
     parser.add_argument("--pos-dim", type=int, default=8)
-    parser.add_argument("--max-positions", type=int, default=2048)
+    parser.add_argument("--max-positions", type=int, default=1024)
     parser.add_argument("--num-mlp-layers", type=int, default=2)
     parser.add_argument("--position-strategy", choices=sorted(POSITION_STRATEGIES), default="clamp")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
@@ -101,9 +102,12 @@ def main() -> None:
         f"SmolLM2-135M, {args.context_tokens} tokens, {args.threads} threads, {args.repeats} repeats (medians); "
         f"prefill {prefill_s * 1e3:.0f} ms; policy scores all {heads} KV heads; "
         f"pos_dim {args.pos_dim}, max_positions {args.max_positions}, num_mlp_layers {args.num_mlp_layers}, "
-        f"position_strategy {args.position_strategy}"
+        f"position_strategy {args.position_strategy}; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} CPUs (other work on the machine slows both sides)"
     )
-    print(f"{'hidden_dim':>10} {'params':>10} {'fp32 MB':>8} {'file MB':>8} {'policy ms':>10} {'policy/prefill':>15}")
+    print(
+        f"{'hidden_dim':>10} {'params':>10} {'fp32 MB':>8} {'file MB':>8} {'policy ms':>10} {'policy/prefill':>15}"
+    )
     for hidden, policy in policies.items():
         params = policy.num_parameters()
         policy_s = statistics.median(policy_times[hidden])

@@ -296,7 +296,10 @@ class KVPolicy(
         num_layers, num_kv_heads, head_dim: the LLM's decoder (use :meth:`for_model`).
         hidden_dim, pos_dim, max_positions, num_mlp_layers: agent sizes (see :class:`HeadAgents`).
             The defaults are sized for SmolLM2-135M (bench/bench_policy.py): scoring all heads
-            of a 4K prompt costs under 2% of its prefill on CPU, and the weights are under 10 MB.
+            of a 4K prompt costs about 1% of its prefill on CPU, and the weights take 5.8 MB.
+            Set ``max_positions`` to the training prompt length: table rows past the longest
+            training prompt are never trained, while "clamp" and "scale" both map longer
+            prompts onto trained rows.
         position_strategy: "clamp" (the paper) or "scale", see :data:`POSITION_STRATEGIES`;
             it has no weights, so it can be changed after loading (``policy.position_strategy = ...``).
         base_model: Hub id of the LLM the policy was trained for (checked by :meth:`check_compatible`).
@@ -316,14 +319,19 @@ class KVPolicy(
         head_dim: int,
         hidden_dim: int = 32,
         pos_dim: int = 8,
-        max_positions: int = 2048,
+        max_positions: int = 1024,
         num_mlp_layers: int = 2,
         position_strategy: str = "clamp",
         base_model: str = "",
         training: dict | None = None,
     ):
         super().__init__()
-        _check_positive_int("num_layers", num_layers)
+        for name, value in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            _check_positive_int(name, value)
         if not isinstance(base_model, str):
             raise ValueError(f"base_model must be a str (a Hub model id or ''), got {base_model!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
@@ -388,7 +396,10 @@ class KVPolicy(
             and _is_hub_id(model_id)
             and model_id != self.base_model
         ):
-            problems.append(f"base model: policy was trained for '{self.base_model}', model is '{model_id}'")
+            problems.append(
+                f"base model: policy was trained for '{self.base_model}', model is '{model_id}' (if you know it "
+                "transfers, set policy.base_model = '' before KVPCache.from_pretrained)"
+            )
         if problems:
             raise ValueError(
                 "This KVP policy does not fit the model: " + "; ".join(problems) + ". Use a policy trained "
