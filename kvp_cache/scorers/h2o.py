@@ -29,10 +29,13 @@ class H2OScorer(Scorer):
         total = torch.zeros(b, h, n, device=keys.device)
         for start in range(0, q_all.shape[-2], self.chunk_size):
             chunk = q_all[..., start : start + self.chunk_size, :]
-            attention = grouped_attention(chunk, keys, queries.scaling, valid, causal_offset=first + start)
-            query_valid = valid[:, first + start : first + start + chunk.shape[-2]]
+            end = first + start + chunk.shape[-2]  # keys past the chunk's last query are causally hidden
+            attention = grouped_attention(
+                chunk, keys[..., :end, :], queries.scaling, valid[:, :end], first + start
+            )
+            query_valid = valid[:, first + start : end]
             attention = attention.nan_to_num(0.0) * query_valid[:, None, None, :, None]
-            total += attention.sum(dim=-2).mean(dim=2)
+            total[..., :end] += attention.sum(dim=-2).mean(dim=2)
         if self.normalize:
             seen_by = valid.flip(-1).long().cumsum(-1).flip(-1).clamp_min(1)
             total = total / seen_by[:, None, :]
