@@ -1,0 +1,67 @@
+"""Integrations with evaluation tools, and the forward helpers they share.
+
+A ``KVPCache`` compresses at the end of every multi-token forward. Evaluation protocols that ask
+a question *after* compression must therefore feed the question one token at a time: a
+single-token forward appends to the cache and never evicts. :func:`append_uncompressed` does
+that; :func:`forward_tokens` is one forward on top of a cache with the positions ``generate``
+would use for a left-padded batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name under which ``model.forward``/``generate`` take a cache.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works but warns).
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def forward_tokens(
+    model: PreTrainedModel,
+    cache: Cache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> torch.Tensor:
+    """One forward of ``input_ids`` (``[batch, q]``) on top of ``cache``; returns logits ``[batch, q, vocab]``
+    (``[batch, logits_to_keep, vocab]`` when ``logits_to_keep > 0``, which spares a long prefill's logits).
+
+    ``attention_mask`` (``[batch, cached + q]``, 1 = real) covers the cached tokens too, as in
+    ``generate``; positions then count real tokens only, so left-padded rows get the positions
+    ``generate`` gives them. Without a mask positions continue from ``cache.get_seq_length()``.
+    """
+    kwargs = {cache_kwarg(model): cache, "use_cache": True}
+    if logits_to_keep:
+        kwargs["logits_to_keep"] = logits_to_keep
+    if attention_mask is not None:
+        q = input_ids.shape[1]
+        positions = attention_mask.long().cumsum(-1) - 1
+        kwargs["position_ids"] = positions.masked_fill(attention_mask == 0, 1)[:, -q:]
+        kwargs["attention_mask"] = attention_mask
+    return model(input_ids=input_ids, **kwargs).logits
+
+
+@torch.no_grad()
+def append_uncompressed(
+    model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Feed ``input_ids`` (``[batch, n]``) one token at a time, so a ``KVPCache`` keeps all of them.
+
+    ``attention_mask`` is ``[batch, cached + n]`` as in :func:`forward_tokens`. Returns the logits
+    of the last token (``[batch, vocab]``), or None when ``n == 0``.
+    """
+    n = input_ids.shape[1]
+    past = attention_mask.shape[1] - n if attention_mask is not None else 0
+    logits = None
+    for t in range(n):
+        mask = attention_mask[:, : past + t + 1] if attention_mask is not None else None
+        logits = forward_tokens(model, cache, input_ids[:, t : t + 1], mask)[:, -1]
+    return logits
