@@ -312,18 +312,20 @@ class KVPCache(Cache):
         budget: Budget = 0.25,
         sink_tokens: int = 4,
         window_tokens: int = 16,
+        check_base_model: bool = True,
         **options,
     ) -> KVPCache:
         """A cache driven by a learned KVP policy.
 
         ``policy`` is a :class:`~kvp_cache.policy.KVPolicy`, the name of a policy shipped in the
         package (see ``kvp_cache.policy.shipped_policies()``), a local directory, or a Hub repo id.
-        The policy must have been trained for ``model``'s architecture.
+        The policy must match ``model``'s layers, KV heads and head_dim; ``check_base_model=False``
+        also accepts a policy trained on another checkpoint of the same architecture.
         """
         from kvp_cache.policy import KVPolicy, load_policy
 
         policy = policy if isinstance(policy, KVPolicy) else load_policy(policy)
-        policy.check_compatible(model.config)
+        policy.check_compatible(model.config, check_base_model=check_base_model)
         return cls(
             model,
             method="kvp",
