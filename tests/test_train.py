@@ -232,6 +232,7 @@ def test_fit_improves_validation_reward_and_resumes(tmp_path):
     for layer in range(2):
         history = json.loads((tmp_path / "run" / "layers" / f"layer_{layer:02d}.json").read_text())
         assert history["best_val_reward"] > history["initial_val_reward"] + 0.05
+    assert (tmp_path / "run" / "training_curves.png").stat().st_size > 1000
     policy = load_policy(policy_dir)
     assert policy.training_info["steps"] == 60 and policy.hidden_dim == 16
     stamp = (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns

@@ -15,7 +15,8 @@ The paper's trainer (section 5, and the released ``RLOOGumbelTrainer``):
 
 ``--objective`` swaps step 2-4 for a supervised loss (``train/supervised.py``) for the ablation.
 A finished layer is saved to ``<out>/layers/`` and skipped when the command runs again; the
-final :class:`KVPolicy` is written with ``save_pretrained`` to ``<out>/policy``.
+final :class:`KVPolicy` is written with ``save_pretrained`` to ``<out>/policy``, and the validation
+curves of every layer to ``<out>/training_curves.png``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from kvp_cache.policy import POSITION_STRATEGIES, HeadAgents, KVPolicy
-from train import supervised
+from train import plots, supervised
 from train.reward import REWARD_FLOOR, rank_by_scores, ranking_reward
 from train.traces import LayerSample, TraceSplit
 
@@ -311,6 +312,7 @@ def fit(config: FitConfig) -> Path:
         "train_minutes": round(sum(h["seconds"] for h in histories) / 60, 1),
     }
     policy.save_pretrained(out / "policy")
+    plots.training_curves(out, out / "training_curves.png")
     print(f"fit took {time.time() - started:.0f} s in this run; policy written to {out / 'policy'}")
     return out / "policy"
 
