@@ -279,7 +279,7 @@ def test_evaluate_writes_table_json_png(traces, tmp_path, llama):
     from train.__main__ import main
 
     main(["evaluate", *args])
-    result = json.loads((tmp_path / "report" / "eval_val.json").read_text())
+    result = json.loads((tmp_path / "report" / "eviction_cost_val.json").read_text())
     methods = result["methods"]
     assert {"kvp", "kvp[scale]", "oracle", "knorm", "tova", "snapkv", "h2o", "expected_attention"} <= set(
         methods
@@ -287,7 +287,7 @@ def test_evaluate_writes_table_json_png(traces, tmp_path, llama):
     assert methods["oracle"]["auc"] == pytest.approx(1.0)
     assert all(m["auc"] >= 1.0 - 1e-6 for m in methods.values())
     assert all(len(m["cost"]) == 2 for m in methods.values())
-    assert "| kvp |" in (tmp_path / "report" / "eval_val.md").read_text()
-    assert (tmp_path / "report" / "eval_val.png").stat().st_size > 1000
+    assert "| kvp |" in (tmp_path / "report" / "eviction_cost_val.md").read_text()
+    assert (tmp_path / "report" / "eviction_cost_val.png").stat().st_size > 1000
     card = evaluate.card_evaluation(result)
     assert card["budgets"] == [0.25, 0.5] and "kvp" in card["methods"]

@@ -159,7 +159,7 @@ def evaluate_command(args: argparse.Namespace) -> dict:
     result = evaluate(args.traces, args.split, policies, args.budgets, args.sinks, args.window, args.layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"eval_{args.split}"
+    stem = out / f"eviction_cost_{args.split}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     table = markdown_table(result, protected=True)
     unprotected = markdown_table(result, protected=False)
@@ -200,7 +200,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--layers", type=int, nargs="*", default=None)
-    parser.add_argument("--out", required=True, help="writes eval_<split>.{md,json,png} here")
+    parser.add_argument("--out", required=True, help="writes eviction_cost_<split>.{md,json,png} here")
     parser.add_argument(
         "--record", action="store_true", help="store the table in each policy's config and card"
     )
