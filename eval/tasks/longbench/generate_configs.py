@@ -50,26 +50,26 @@ def group(name: str, tasks: list[str]) -> str:
     )
 
 
-def main() -> None:
+def main(out_dir: Path = HERE) -> None:
     source = lm_eval_longbench_dir()
     names = sorted(
         p.stem for p in source.glob("*.yaml") if not p.name.startswith("_") and not p.stem.endswith("_e")
     )
-    for old in HERE.glob("kvp_longbench_*.yaml"):
+    for old in out_dir.glob("kvp_longbench_*.yaml"):
         old.unlink()
     for name in names:
         text = (source / f"{name}.yaml").read_text()
         for protocol in ("qin", "qafter"):
-            out = HERE / f"kvp_longbench_{name}_{protocol}.yaml"
+            out = out_dir / f"kvp_longbench_{name}_{protocol}.yaml"
             out.write_text(HEADER.format(source=f"{name}.yaml") + variant(text, name, protocol))
     for protocol in ("qin", "qafter"):
         all_tasks = [f"kvp_longbench_{n}_{protocol}" for n in names]
         paper = [f"kvp_longbench_{n}_{protocol}" for n in PAPER_SUBSET]
-        (HERE / f"kvp_longbench_{protocol}.yaml").write_text(group(f"kvp_longbench_{protocol}", all_tasks))
-        (HERE / f"kvp_longbench_paper_{protocol}.yaml").write_text(
+        (out_dir / f"kvp_longbench_{protocol}.yaml").write_text(group(f"kvp_longbench_{protocol}", all_tasks))
+        (out_dir / f"kvp_longbench_paper_{protocol}.yaml").write_text(
             group(f"kvp_longbench_paper_{protocol}", paper)
         )
-    print(f"wrote {2 * len(names)} task configs and 4 groups to {HERE}")
+    print(f"wrote {2 * len(names)} task configs and 4 groups to {out_dir}")
 
 
 if __name__ == "__main__":
