@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 pytest.importorskip("lm_eval")
@@ -35,14 +34,6 @@ LONGBENCH = [n for n in LONGBENCH if n != "paper"]
 MC_TASKS = ["kvp_mmlu", "kvp_hellaswag", "kvp_boolq_qin", "kvp_boolq_qafter", "kvp_arc_challenge"]
 LONGBENCH_TASKS = [f"kvp_longbench_{n}_{p}" for n in LONGBENCH for p in ("qin", "qafter")]
 PASSAGE = "The harbor froze in the winter of 1911, and the ferries stopped for six weeks. " * 3
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hub_rows(path: str, name: str | None) -> dict[str, list[dict]]:

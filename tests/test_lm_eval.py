@@ -28,15 +28,6 @@ CHOICES = [" yes", " no", " it jumped over it", " a b c d e f"]
 GEN = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread than on two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer (vocab 49152), saved as lm-eval loads models."""

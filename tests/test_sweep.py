@@ -28,15 +28,6 @@ from kvp_cache import KVPCache, available_methods, ruler  # noqa: E402
 from kvp_cache.prefill import generate_after_prefill, prefill  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread than on two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny random Llama with SmolLM2's tokenizer (which has the chat template RULER prompts use)."""

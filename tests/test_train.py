@@ -6,30 +6,16 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_model  # noqa: F401  (the llama fixture builds on it)
-
-# `train` is a repo-level package run from a checkout (python -m train); make it importable under pytest.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvp_cache.policy import HeadAgents, load_policy
 from train import collect, data, evaluate, reward, rl
 from train.traces import TraceSplit, shard_dir, write_shard
 
 PROMPT, FUTURE = 40, 6
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors run several times faster on one thread than on two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_examples(count: int, seed: int, future: bool = True) -> list[data.Example]:
