@@ -61,8 +61,8 @@ from transformers import AutoTokenizer, DynamicCache
 from kvp_cache import KVPCache, available_methods, ruler
 from kvp_cache.cache import EvictingLayer
 from kvp_cache.demo import CACHE_ARG, DEFAULT_ESSAYS, default_policy, dynamic_cache_bytes
+from kvp_cache.models import MODELS, load_model
 from kvp_cache.scorers import SCORERS
-from kvp_cache.smollm2 import converted_dir, load_smollm2
 
 FULL = "full"
 KV_ONLY_TARGET = 0.01  # evict / prefill for key/value-only methods
@@ -154,7 +154,7 @@ def decode(model, cache, first_token: torch.Tensor, tokens: int) -> float:
 @torch.no_grad()
 def measure(config: str, input_ids: torch.Tensor, budget, decode_tokens: int, threads: int) -> Run:
     torch.set_num_threads(threads)
-    model, _ = load_smollm2()
+    model, _ = load_model("smollm2")
     warm = make_cache(model, config, budget)
     out = model(input_ids[:, :WARMUP_TOKENS], logits_to_keep=1, **{CACHE_ARG: warm})
     decode(model, warm, out.logits[:, -1:].argmax(-1), 2)
@@ -188,7 +188,7 @@ def run_child(config: str, ids_path: Path, budget, decode_tokens: int, threads: 
 
 
 def build_prompt(context_tokens: int) -> tuple[torch.Tensor, str]:
-    tokenizer = AutoTokenizer.from_pretrained(converted_dir())
+    tokenizer = AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
     essays = DEFAULT_ESSAYS if DEFAULT_ESSAYS.is_dir() else None
     sample = ruler.make_samples(
         "niah_single", tokenizer, context_tokens, n=1, haystack=ruler.load_haystack(essays)

@@ -22,8 +22,8 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from kvp_cache.models import load_model
 from kvp_cache.policy import POSITION_STRATEGIES, KVPolicy
-from kvp_cache.smollm2 import load_smollm2
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,7 +58,7 @@ def saved_size(policy: KVPolicy) -> int:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    model, _ = load_smollm2()
+    model, _ = load_model("smollm2")
     vocab = model.config.vocab_size
     input_ids = torch.randint(0, vocab, (1, args.context_tokens), generator=torch.Generator().manual_seed(0))
 

@@ -7,18 +7,8 @@ import sys
 from pathlib import Path
 
 from eval.sweep import SweepConfig, markdown_report, run_sweep, write_outputs
-
-
-def parse_budget(text: str) -> float | int:
-    """``"0.25"`` -> 0.25 (fraction kept), ``"128"`` -> 128 (tokens kept)."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"budget {text!r} is neither a fraction nor a token count") from None
+from kvp_cache.budget import parse_budget
+from kvp_cache.models import load_model
 
 
 def parse_methods(text: str, policy: str | None) -> list[str]:
@@ -81,18 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_model(name: str, device: str):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if name == "smollm2":
-        from kvp_cache.smollm2 import load_smollm2
-
-        return load_smollm2(device=device)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(device).eval()
-    return model, AutoTokenizer.from_pretrained(name)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = SweepConfig(
@@ -120,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvp_cache.policy import load_policy
 
         policy = load_policy(config.policy)
-    model, tokenizer = load_model(args.model, args.device)
+    model, tokenizer = load_model(args.model, device=args.device)
     result = run_sweep(model, tokenizer, config, policy)
     result["config"]["model"] = args.model
     paths = write_outputs(result, args.out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 
@@ -27,6 +28,23 @@ def validate_budget(budget: object) -> Budget:
     if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
         raise ValueError(f"budget as a float is a fraction and must be in (0, 1], got {budget}")
     return float(budget)
+
+
+def parse_budget(text: str) -> Budget:
+    """A command-line budget: ``"0.25"`` -> 0.25 (fraction kept), ``"512"`` -> 512 (tokens kept), validated."""
+    try:
+        value: Budget = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"budget must be a fraction in (0, 1] or a token count >= 1, got {text!r}"
+            ) from None
+    try:
+        return validate_budget(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def kept_per_row(budget: Budget, real_lengths: torch.Tensor) -> torch.Tensor:

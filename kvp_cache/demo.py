@@ -133,7 +133,7 @@ def run_demo(
     essays: a directory of essays for the haystack; by default ``../shared/data/pg_essays`` of the
         repository when it exists, else RULER's noise sentences.
     model, tokenizer: reuse a loaded SmolLM2 (or another chat model); loaded with
-        :func:`kvp_cache.smollm2.load_smollm2` when omitted.
+        :func:`kvp_cache.models.load_model` when omitted.
     """
     if method is not None and policy is not None:
         raise ValueError("pass either method or policy, not both")
@@ -146,10 +146,10 @@ def run_demo(
         essays = DEFAULT_ESSAYS
     haystack_source = str(essays) if essays is not None else "RULER noise"
     if model is None or tokenizer is None:
-        from kvp_cache.smollm2 import load_smollm2
+        from kvp_cache.models import load_model
 
         with tqdm(total=1, desc="Loading SmolLM2", leave=False) as bar:
-            model, tokenizer = load_smollm2()
+            model, tokenizer = load_model("smollm2")
             bar.update(1)
 
     sample = ruler.make_samples(

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from kvp_cache.compat import text_config
+from kvp_cache.provenance import sha256_of
 
 POLICIES_DIR = Path(__file__).resolve().parent / "policies"
 CONFIG_NAME = "config.json"
@@ -525,6 +526,8 @@ class KVPolicy(
             ) from None
         check_state_dict(policy, state, source)
         policy.load_state_dict(state, strict=True)
+        policy.source = source
+        policy.weights_sha256 = sha256_of(weights_file)
         return policy.to(map_location).eval()
 
 

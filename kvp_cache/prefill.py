@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvp_cache.capture import QueryCapture
-from kvp_cache.compat import text_config
+from kvp_cache.compat import cache_kwarg, text_config
 
 
 @dataclass
@@ -46,7 +46,9 @@ def prefill(
     queries: dict = {}
     capture.attach(queries)
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_kwarg(model): cache}
+        )
     finally:
         capture.detach()
     return Prefill(cache, queries, input_ids, attention_mask, out.logits[:, -1].float())
@@ -68,9 +70,9 @@ def generate_after_prefill(model: PreTrainedModel, prefilled: Prefill, cache, ma
     out = model.generate(
         ids,
         attention_mask=mask,
-        past_key_values=cache,
         max_new_tokens=max_new_tokens - 1,
         do_sample=False,
+        **{cache_kwarg(model): cache},
         **kwargs,
     )
     return out[:, prefilled.input_ids.shape[1] :]

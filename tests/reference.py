@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from kvp_cache.cache import KVPCache, _cache_argument
+from kvp_cache.cache import KVPCache
+from kvp_cache.compat import cache_argument
 
 
 @dataclass
@@ -33,7 +34,7 @@ class ForwardRecorder:
         self._handle = decoder.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs):
-        if _cache_argument(kwargs) is not self.cache:
+        if cache_argument(kwargs) is not self.cache:
             return
         tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
         kept = {}

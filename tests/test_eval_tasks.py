@@ -224,9 +224,9 @@ def load_module(path: Path):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir() -> str:
-    from kvp_cache.smollm2 import converted_dir
+    from kvp_cache.models import MODELS
 
-    return str(converted_dir())
+    return str(MODELS["smollm2"].converted_dir())
 
 
 def test_ruler_tasks_offline(tokenizer_dir):

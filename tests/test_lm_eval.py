@@ -31,7 +31,7 @@ GEN = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer (vocab 49152), saved as lm-eval loads models."""
-    from kvp_cache.smollm2 import converted_dir
+    from kvp_cache.models import MODELS
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -46,7 +46,7 @@ def tiny_dir(tmp_path_factory):
     )
     path = tmp_path_factory.mktemp("tiny_llama")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(converted_dir()).save_pretrained(path)
+    AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir()).save_pretrained(path)
     return str(path)
 
 

@@ -9,14 +9,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvp_cache import ruler
-from kvp_cache.smollm2 import converted_dir
+from kvp_cache.models import MODELS
 
 NEEDLE_RE = re.compile(r"One of the special magic numbers for ([\w-]+) is: (\d+)\.")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(converted_dir())
+    return AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
 
 
 @pytest.fixture(scope="module")

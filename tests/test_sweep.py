@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 # `eval` is a repo-level package run from a checkout (python -m eval); make it importable under pytest.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.__main__ import main, parse_budget, parse_methods  # noqa: E402
+from eval.__main__ import main, parse_methods  # noqa: E402
 from eval.sweep import (  # noqa: E402
     FULL,
     Generator,
@@ -25,13 +25,14 @@ from eval.sweep import (  # noqa: E402
     write_outputs,
 )
 from kvp_cache import KVPCache, available_methods, ruler  # noqa: E402
+from kvp_cache.budget import parse_budget  # noqa: E402
 from kvp_cache.prefill import generate_after_prefill, prefill  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny random Llama with SmolLM2's tokenizer (which has the chat template RULER prompts use)."""
-    from kvp_cache.smollm2 import converted_dir
+    from kvp_cache.models import MODELS
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -43,7 +44,9 @@ def tiny():
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
-    return AutoModelForCausalLM.from_config(config).eval(), AutoTokenizer.from_pretrained(converted_dir())
+    return AutoModelForCausalLM.from_config(config).eval(), AutoTokenizer.from_pretrained(
+        MODELS["smollm2"].converted_dir()
+    )
 
 
 def small_config(**overrides) -> SweepConfig:

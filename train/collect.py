@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from kvp_cache.capture import queries_of
 from kvp_cache.compat import text_config
+from kvp_cache.models import load_model
 from kvp_cache.scorers import available_methods, make_scorer
 from kvp_cache.scorers.base import rotate_half
 from train import data
@@ -169,18 +170,6 @@ def trace_example(
     return layers
 
 
-def load_model(name: str | None):
-    """SmolLM2-135M-Instruct (offline) by default, else a local HF directory."""
-    if name in (None, "smollm2"):
-        from kvp_cache.smollm2 import load_smollm2
-
-        return load_smollm2()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval(), AutoTokenizer.from_pretrained(name)
-
-
 def build_examples(args, tokenizer) -> list[data.Example]:
     """Every example the arguments ask for, deterministic given the seed."""
     groups = []
@@ -229,7 +218,7 @@ def build_examples(args, tokenizer) -> list[data.Example]:
 
 def collect_command(args) -> None:
     torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model or "smollm2")
     examples = build_examples(args, tokenizer)
     splits = data.split_examples(examples, args.val_fraction, args.seed)
     named = {args.train_name: splits["train"], args.val_name: splits["val"]}

@@ -9,18 +9,10 @@ would use for a left-padded batch.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import Cache, PreTrainedModel
 
-
-def cache_kwarg(model: PreTrainedModel) -> str:
-    """The name under which ``model.forward``/``generate`` take a cache.
-
-    transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name still works but warns).
-    """
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+from kvp_cache.compat import cache_kwarg
 
 
 @torch.no_grad()

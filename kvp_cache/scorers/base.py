@@ -58,6 +58,9 @@ class Scorer:
         """
         raise NotImplementedError
 
+    def check_model(self, config) -> None:
+        """Raise ``ValueError`` if this scorer cannot serve a model with ``config`` (a decoder config)."""
+
     @property
     def needs_queries(self) -> bool:
         return self.query_window is not None

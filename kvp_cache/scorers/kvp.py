@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from kvp_cache.policy import KVPolicy
+from kvp_cache.policy import KVPolicy, load_policy
 from kvp_cache.scorers import register_scorer
 from kvp_cache.scorers.base import Scorer
 
@@ -23,16 +24,23 @@ class KVPScorer(Scorer):
     """
 
     name = "kvp"
-    policy: KVPolicy | None = None
+    policy: KVPolicy | str | Path | None = None
+    check_base_model: bool = True
 
     def __post_init__(self) -> None:
         if self.policy is None:
             raise ValueError(
                 "method 'kvp' needs policy=..., use KVPCache.from_pretrained(policy, model=model, budget=...) "
-                "with a shipped policy name, a local directory or a Hub repo id"
+                "or KVPCache(model, method='kvp', policy=...) with a shipped policy name, a local directory, "
+                "a Hub repo id or a KVPolicy"
             )
+        if isinstance(self.policy, str | Path):
+            self.policy = load_policy(self.policy)
         if not isinstance(self.policy, KVPolicy):
             raise TypeError(f"policy must be a kvp_cache.policy.KVPolicy, got {type(self.policy).__name__}")
+
+    def check_model(self, config) -> None:
+        self.policy.check_compatible(config, check_base_model=self.check_base_model)
 
     def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
         """``[batch, kv_heads, seq]`` float32 scores of layer ``layer_idx``; -inf on padding."""
