@@ -41,6 +41,7 @@ from transformers import PretrainedConfig
 
 from kvp_cache.compat import text_config
 from kvp_cache.provenance import sha256_of
+from kvp_cache.tables import markdown_table
 
 POLICIES_DIR = Path(__file__).resolve().parent / "policies"
 CONFIG_NAME = "config.json"
@@ -580,19 +581,8 @@ def check_evaluation(evaluation: dict) -> None:
                 )
 
 
-def _format_number(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def _markdown_table(budgets: list, rows: dict[str, list]) -> str:
-    header = "| method | " + " | ".join(_format_number(b) for b in budgets) + " |"
-    rule = "|---|" + "---:|" * len(budgets)
-    lines = [
-        f"| {name} | " + " | ".join(_format_number(v) for v in values) + " |" for name, values in rows.items()
-    ]
-    return "\n".join([header, rule, *lines])
+def _evaluation_table(budgets: list, rows: dict[str, list]) -> str:
+    return markdown_table(["method", *budgets], [[name, *values] for name, values in rows.items()])
 
 
 def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
@@ -653,12 +643,12 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
         parts += [
             "Eviction cost per budget (lower is better):",
             "",
-            _markdown_table(evaluation["budgets"], evaluation["methods"]),
+            _evaluation_table(evaluation["budgets"], evaluation["methods"]),
         ]
         if evaluation.get("accuracy"):
             task = evaluation.get("accuracy_task", "the downstream task")
             parts += ["", f"Accuracy on {task} per budget (higher is better):", ""]
-            parts.append(_markdown_table(evaluation["budgets"], evaluation["accuracy"]))
+            parts.append(_evaluation_table(evaluation["budgets"], evaluation["accuracy"]))
     return "\n".join(parts) + "\n"
 
 
