@@ -225,6 +225,18 @@ class EvictingLayer(DynamicLayer):
             self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
 
+def _build_scorer(method: str | Scorer, options: dict) -> Scorer:
+    if isinstance(method, Scorer):
+        if options:
+            raise TypeError(
+                f"method is a ready {type(method).__name__}: set its options on it, not as {sorted(options)}"
+            )
+        return method
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a method name or a Scorer instance, got {type(method).__name__}")
+    return make_scorer(method, **options)
+
+
 def select_slots(scores: torch.Tensor, valid: torch.Tensor, kept: torch.Tensor, slots: int) -> torch.Tensor:
     """Indices of the entries to keep, ``[batch, kv_heads, slots]``.
 
@@ -251,7 +263,8 @@ class KVPCache(Cache):
     Args:
         model_or_config: the model the cache will be used with (enables query-aware methods and
             pad-aware eviction inside ``generate``), or its config (key/value-only methods).
-        method: a name from :func:`kvp_cache.available_methods`.
+        method: a name from :func:`kvp_cache.scorers.methods`, or a ready :class:`~kvp_cache.scorers.Scorer`
+            instance (for scorers that are not registered, such as an evaluation oracle).
         budget: float in (0, 1], the fraction of each row's tokens kept per head, or int >= 1,
             the number of tokens kept per head.
         sink_tokens, window_tokens: the first and last tokens always kept.
@@ -262,7 +275,7 @@ class KVPCache(Cache):
     def __init__(
         self,
         model_or_config: PreTrainedModel | PretrainedConfig,
-        method: str = "knorm",
+        method: str | Scorer = "knorm",
         budget: Budget = 0.25,
         sink_tokens: int = 4,
         window_tokens: int = 16,
@@ -279,11 +292,11 @@ class KVPCache(Cache):
         for name, value in (("sink_tokens", sink_tokens), ("window_tokens", window_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        scorer = make_scorer(method, **method_options)
+        scorer = _build_scorer(method, method_options)
         scorer.check_model(config)
         if scorer.needs_queries and model is None:
             raise ValueError(
-                f"method '{method}' needs the prefill queries: build the cache with KVPCache(model, ...), not a config"
+                f"method '{scorer.name}' needs the prefill queries: build the cache with KVPCache(model, ...), not a config"
             )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.settings = EvictionSettings(
@@ -302,7 +315,7 @@ class KVPCache(Cache):
             for i, layer in enumerate(reference.layers)
         ]
         super().__init__(layers=layers)
-        self.method = method
+        self.method = scorer.name or type(scorer).__name__
         self._hooks = _ModelHooks(self, model) if model is not None else None
 
     @classmethod

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from kvp_cache import KVPCache, available_methods
 from kvp_cache.cache import EvictingLayer
+from kvp_cache.scorers import SCORERS, Scorer, methods
 
 KV_ONLY = ["knorm", "keydiff", "streaming_llm", "random", "lagkv"]
 QUERY_AWARE = ["tova", "snapkv", "h2o", "expected_attention"]
@@ -336,3 +337,26 @@ def test_hooks_are_removed_when_cache_is_collected():
     del cache
     gc.collect()
     assert (len(decoder._forward_pre_hooks), len(decoder._forward_hooks)) == before
+
+
+def test_registry_describes_its_methods():
+    assert methods() == available_methods() == sorted(SCORERS)
+    assert set(methods(query_aware=True)) == set(QUERY_AWARE)
+    assert set(methods(query_aware=False)) == set(KV_ONLY) | {"kvp"}
+    assert methods(learned=True) == ["kvp"]
+    assert methods(query_aware=False, learned=False) == sorted(KV_ONLY)
+
+
+class OldestFirst(Scorer):
+    """An unregistered scorer (as an evaluation oracle would be): keep the earliest tokens."""
+
+    def score(self, keys, values, positions, queries=None, layer_idx=0):
+        return -positions.float()[:, None, :].expand(keys.shape[:3])
+
+
+def test_cache_accepts_an_unregistered_scorer_instance():
+    model = tiny_model("llama")
+    cache = KVPCache(model, OldestFirst(), budget=12, sink_tokens=0, window_tokens=0, track_positions=True)
+    check_generate_against_reference(model, ids(length=30), cache)
+    assert cache.evicting_layers[0].positions[0, 0, :12].tolist() == list(range(12))
+    assert cache.method == "OldestFirst" and "OldestFirst" not in methods()

@@ -43,6 +43,13 @@ def test_unknown_method_option_lists_the_options():
         make_scorer("snapkv", windw_size=3)
 
 
+def test_scorer_instance_takes_no_options():
+    with pytest.raises(TypeError, match="set its options on it"):
+        KVPCache(tiny_model("llama"), method=make_scorer("snapkv"), window_size=3)
+    with pytest.raises(TypeError, match="method name or a Scorer instance"):
+        KVPCache(tiny_model("llama"), method=3)
+
+
 @pytest.mark.parametrize("name, value", [("sink_tokens", -1), ("window_tokens", 2.5), ("sink_tokens", "4")])
 def test_bad_protection_counts(name, value):
     with pytest.raises(ValueError, match=name):

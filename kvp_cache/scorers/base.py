@@ -34,13 +34,22 @@ class QueryStates:
 class Scorer:
     """Base class: subclasses are dataclasses of their options and implement :meth:`score`.
 
-    ``query_window`` says what the cache must capture from the prefill queries: ``None`` for
-    key/value-only methods (scored inside ``Cache.update``), ``n > 0`` for the last ``n`` queries,
-    ``-1`` for all of them.
+    Class attributes describe the method (the registry filters on them, see
+    :func:`kvp_cache.scorers.methods`):
+
+    - ``name``: the registry name (``KVPCache(method=name)``);
+    - ``needs_queries``: True for query-aware methods, whose ``score`` takes ``queries:
+      QueryStates`` (captured by hooks on the model); False for key/value-only methods, scored
+      inside ``Cache.update`` from the cached states alone;
+    - ``query_window`` (query-aware methods): how many of a forward's last queries the capture
+      keeps, ``n > 0`` or ``-1`` for all of them;
+    - ``learned``: True for trained policies (``kvp``).
     """
 
     name: ClassVar[str] = ""
+    needs_queries: ClassVar[bool] = False
     query_window: ClassVar[int | None] = None
+    learned: ClassVar[bool] = False
 
     def score(
         self,
@@ -54,16 +63,13 @@ class Scorer:
 
         keys, values: ``[batch, kv_heads, seq, head_dim]`` post-RoPE, as stored in the cache.
         positions: ``[batch, seq]`` index of each token among its row's real tokens, -1 on padding.
+        queries: None for key/value-only methods.
         Returns ``[batch, kv_heads, seq]``; the cache keeps the top entries per head.
         """
         raise NotImplementedError
 
     def check_model(self, config) -> None:
         """Raise ``ValueError`` if this scorer cannot serve a model with ``config`` (a decoder config)."""
-
-    @property
-    def needs_queries(self) -> bool:
-        return self.query_window is not None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvp_cache.scorers.base import Scorer, group_queries, rotate_half
+from kvp_cache.scorers.base import QueryStates, Scorer, group_queries, rotate_half
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class ExpectedAttentionScorer(Scorer):
     """Closed-form attention that future queries are expected to pay each key.
@@ -18,13 +20,14 @@ class ExpectedAttentionScorer(Scorer):
     """
 
     name = "expected_attention"
+    needs_queries = True
     query_window = -1
     n_future_positions: int = 512
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
 
-    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+    def score(self, keys, values, positions, queries: QueryStates, layer_idx=0) -> torch.Tensor:
         b, h, n, d = keys.shape
         pre = queries.pre_rope_queries.float()  # [b, hq, m, d]
         valid = (positions[:, -pre.shape[-2] :] >= 0)[:, None, :, None].float()

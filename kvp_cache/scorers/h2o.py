@@ -2,9 +2,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvp_cache.scorers.base import Scorer, grouped_attention
+from kvp_cache.scorers.base import QueryStates, Scorer, grouped_attention
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class H2OScorer(Scorer):
     """Heavy hitters: keep the tokens that received the most attention over the whole prefill.
@@ -17,11 +19,12 @@ class H2OScorer(Scorer):
     """
 
     name = "h2o"
+    needs_queries = True
     query_window = -1
     chunk_size: int = 256
     normalize: bool = False
 
-    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+    def score(self, keys, values, positions, queries: QueryStates, layer_idx=0) -> torch.Tensor:
         b, h, n, _ = keys.shape
         q_all = queries.queries
         first = n - q_all.shape[-2]

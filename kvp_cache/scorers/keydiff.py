@@ -3,8 +3,10 @@ from dataclasses import dataclass
 import torch
 
 from kvp_cache.scorers.base import Scorer
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class KeyDiffScorer(Scorer):
     """Keep distinctive keys: score = -cos(k, mean of the normalized keys of the row and head).

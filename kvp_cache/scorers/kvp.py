@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from kvp_cache.policy import KVPolicy, load_policy
-from kvp_cache.scorers import register_scorer
 from kvp_cache.scorers.base import Scorer
+from kvp_cache.scorers.registry import register_scorer
 
 
 @register_scorer
@@ -24,6 +24,7 @@ class KVPScorer(Scorer):
     """
 
     name = "kvp"
+    learned = True
     policy: KVPolicy | str | Path | None = None
     check_base_model: bool = True
 

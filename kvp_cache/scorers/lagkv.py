@@ -3,8 +3,10 @@ from dataclasses import dataclass
 import torch
 
 from kvp_cache.scorers.base import Scorer
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class LagKVScorer(Scorer):
     """Lag-relative statistics: each partition of ``lag_size`` tokens is min/max-normalized by the

@@ -3,8 +3,10 @@ from dataclasses import dataclass
 import torch
 
 from kvp_cache.scorers.base import Scorer
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class RandomScorer(Scorer):
     """Uniform random scores, a lower bound every method should beat. Seeded per layer."""

@@ -3,9 +3,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvp_cache.scorers.base import Scorer, grouped_attention
+from kvp_cache.scorers.base import QueryStates, Scorer, grouped_attention
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class SnapKVScorer(Scorer):
     """Keep the tokens an observation window of the last prompt queries attends to.
@@ -17,6 +19,7 @@ class SnapKVScorer(Scorer):
     """
 
     name = "snapkv"
+    needs_queries = True
     window_size: int = 64
     kernel_size: int = 5
 
@@ -24,7 +27,7 @@ class SnapKVScorer(Scorer):
     def query_window(self) -> int:  # type: ignore[override]
         return self.window_size
 
-    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+    def score(self, keys, values, positions, queries: QueryStates, layer_idx=0) -> torch.Tensor:
         b, h, n, _ = keys.shape
         window = queries.queries.shape[-2]
         attention = grouped_attention(

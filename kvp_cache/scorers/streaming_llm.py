@@ -3,8 +3,10 @@ from dataclasses import dataclass
 import torch
 
 from kvp_cache.scorers.base import Scorer
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class StreamingLLMScorer(Scorer):
     """Keep the first ``n_sink`` tokens and the most recent ones.

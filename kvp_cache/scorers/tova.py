@@ -2,9 +2,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvp_cache.scorers.base import Scorer, grouped_attention
+from kvp_cache.scorers.base import QueryStates, Scorer, grouped_attention
+from kvp_cache.scorers.registry import register_scorer
 
 
+@register_scorer
 @dataclass
 class TOVAScorer(Scorer):
     """Keep the tokens the last prompt token attends to most.
@@ -15,9 +17,10 @@ class TOVAScorer(Scorer):
     """
 
     name = "tova"
+    needs_queries = True
     query_window = 1
 
-    def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
+    def score(self, keys, values, positions, queries: QueryStates, layer_idx=0) -> torch.Tensor:
         attention = grouped_attention(
             queries.queries, keys, queries.scaling, positions >= 0, causal_offset=None
         )
