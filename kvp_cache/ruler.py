@@ -19,6 +19,13 @@ The ``niah_*`` and ``vt`` tasks fill the context with ``haystack`` sentences (Pa
 :func:`load_haystack`, or RULER's "noise" sentences), starting at a seeded random sentence and
 wrapping around. Each sample's context plus question is sized to about ``context_tokens`` tokens
 of the given tokenizer (without the chat template, which :func:`chat_prompt` adds).
+
+Splits (``train``, ``val``, ``test``) never share a sample, nor anything a policy could memorize:
+the split name is part of every sample's seed, and each split draws from its own share of every
+ingredient (:func:`split_share`): the key adjectives, the needle values (by residue mod 3), the
+needle depths, the haystack start sentences (a contiguous third each), the ``vt`` variable names'
+first letters, the ``cwe`` common words and the ``fwe`` answer words' first letters. Training uses
+``train``, checkpoint selection ``val``, and every reported evaluation ``test``.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ import random
 import re
 import string
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+SPLITS = ("train", "val", "test")
+"""Disjoint sample splits: training, checkpoint selection, reported evaluation."""
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")
 
@@ -155,6 +165,10 @@ class Sample:
     question: str
     answers: list[str]
     answer_prefix: str
+    facts: dict = field(default_factory=dict)
+    """What the sample was drawn from, to check split disjointness: ``split``, and per task
+    ``keys``/``values`` (needles), ``depths`` (percent), ``start``/``sentences`` (haystack window),
+    ``common`` (cwe), ``names`` (vt)."""
 
 
 def load_haystack(essays_dir: str | Path | None) -> str:
@@ -173,14 +187,24 @@ def load_haystack(essays_dir: str | Path | None) -> str:
 
 
 def make_samples(
-    task: str, tokenizer, context_tokens: int, n: int, seed: int = 0, haystack: str | None = None
+    task: str,
+    tokenizer,
+    context_tokens: int,
+    n: int,
+    seed: int = 0,
+    haystack: str | None = None,
+    split: str = "test",
 ) -> list[Sample]:
     """``n`` samples of ``task``, each with context + question of about ``context_tokens`` tokens.
 
-    Samples are a pure function of (task, tokenizer, context_tokens, seed, haystack, sample index):
-    sample ``i`` is the same whatever ``n`` is. ``haystack`` (default RULER's noise) fills the
-    ``niah_*`` and ``vt`` contexts; needles go at seeded random depths.
+    Samples are a pure function of (split, task, tokenizer, context_tokens, seed, haystack, sample
+    index): sample ``i`` is the same whatever ``n`` is. ``haystack`` (default RULER's noise) fills
+    the ``niah_*`` and ``vt`` contexts; needles go at seeded random depths. ``split`` is ``train``
+    (training data), ``val`` (checkpoint selection) or ``test`` (reported evaluation, the default);
+    no two splits share a needle key or value, a depth, a haystack start or an answer word.
     """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; tasks: {', '.join(TASKS)}")
     if isinstance(context_tokens, bool) or not isinstance(context_tokens, int) or context_tokens < 1:
@@ -190,12 +214,54 @@ def make_samples(
     sentences = _sentences(NOISE if haystack is None else haystack)
     if not sentences:
         raise ValueError("haystack is empty; pass None for RULER's noise text")
+    if len(sentences) < len(SPLITS):
+        raise ValueError(
+            f"haystack has {len(sentences)} sentences; each of the {len(SPLITS)} splits needs its own start"
+        )
     builder = _BUILDERS[task]
     samples = []
     for index in range(n):
-        sample_seed = f"kvp-ruler/{task}/{seed}/{index}"
-        samples.append(builder(sample_seed, sentences, tokenizer, context_tokens))
+        draw = _Draw(split, f"kvp-ruler/{split}/{task}/{seed}/{index}")
+        sample = builder(draw, sentences, tokenizer, context_tokens)
+        sample.facts["split"] = split
+        samples.append(sample)
     return samples
+
+
+def split_share(items: list | tuple, split: str) -> list:
+    """``split``'s share of ``items``: every third item, offset by the split's index in :data:`SPLITS`.
+
+    The three shares are disjoint and together cover ``items``.
+    """
+    part = SPLITS.index(split)
+    return [item for i, item in enumerate(items) if i % len(SPLITS) == part]
+
+
+class _Draw:
+    """A sample's seeded random draws, each restricted to its split's share."""
+
+    def __init__(self, split: str, sample_seed: str):
+        self.split = split
+        self.part = SPLITS.index(split)
+        self.rng = random.Random(sample_seed)
+
+    def number(self, low: int, high: int) -> int:
+        """A uniform int in ``[low, high)`` congruent to the split's index mod 3."""
+        first = low + (self.part - low) % len(SPLITS)
+        return self.rng.randrange(first, high, len(SPLITS))
+
+    def depths(self, count: int) -> list[int]:
+        """``count`` distinct needle depths (percent, sorted) from the split's share of :data:`DEPTHS`."""
+        return sorted(self.rng.sample(split_share(DEPTHS, self.split), count))
+
+    def start(self, sentences: list[str]) -> int:
+        """A haystack start sentence inside the split's contiguous third of ``sentences``."""
+        size = len(sentences)
+        return self.rng.randrange(size * self.part // len(SPLITS), size * (self.part + 1) // len(SPLITS))
+
+    def letter(self, alphabet: str) -> str:
+        """A letter of the split's share of ``alphabet``."""
+        return self.rng.choice(split_share(alphabet, self.split))
 
 
 def chat_prompt(sample: Sample, tokenizer, question_in_context: bool = True) -> tuple[str, str]:
@@ -247,19 +313,20 @@ def _take(sentences: list[str], start: int, count: int) -> list[str]:
 
 
 def _niah(task: str) -> Callable:
-    def build(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
-        rng = random.Random(sample_seed)
+    def build(draw: _Draw, sentences: list[str], tokenizer, target: int) -> Sample:
+        rng = draw.rng
         num_keys = 1 if task in ("niah_single", "niah_multivalue") else MULTI_NEEDLES
         num_values = MULTI_NEEDLES if task == "niah_multivalue" else 1
         num_queries = MULTI_NEEDLES if task == "niah_multiquery" else 1
-        keys = _distinct(rng, num_keys, lambda: f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}")
-        values = _distinct(rng, num_keys * num_values, lambda: str(rng.randint(10**6, 10**7 - 1)))
+        adjectives = split_share(ADJECTIVES, draw.split)
+        keys = _distinct(rng, num_keys, lambda: f"{rng.choice(adjectives)}-{rng.choice(NOUNS)}")
+        values = _distinct(rng, num_keys * num_values, lambda: str(draw.number(10**6, 10**7)))
         needles = [(key, values[k * num_values + v]) for k, key in enumerate(keys) for v in range(num_values)]
         rng.shuffle(needles)  # so the asked needle sits anywhere among the distractors
-        depths = sorted(rng.sample(DEPTHS, len(needles)))
+        depths = draw.depths(len(needles))
         asked = keys[:num_queries]
         answers = [value for key, value in needles if key in asked]
-        start = rng.randrange(len(sentences))
+        start = draw.start(sentences)
         query = asked[0] if len(asked) == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
         question = NIAH_QUESTION.format(query=query)
 
@@ -270,84 +337,103 @@ def _niah(task: str) -> Callable:
                 text.insert(int(count * depth / 100), NEEDLE.format(key=key, value=value))
             return NIAH_CONTEXT + " ".join(text)
 
-        text = context(_fit(context, question, tokenizer, target, task))
-        return Sample(task, text, question, answers, NIAH_ANSWER_PREFIX.format(query=query))
+        count = _fit(context, question, tokenizer, target, task)
+        facts = {"keys": keys, "values": values, "depths": depths, "start": start, "sentences": count}
+        return Sample(task, context(count), question, answers, NIAH_ANSWER_PREFIX.format(query=query), facts)
 
     return build
 
 
-def _vt(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
-    rng = random.Random(sample_seed)
-    names = _distinct(rng, VT_HOPS + 1, lambda: "".join(rng.choices(string.ascii_uppercase, k=5)))
-    value = str(rng.randint(10000, 99999))
+def _vt(draw: _Draw, sentences: list[str], tokenizer, target: int) -> Sample:
+    rng = draw.rng
+    names = _distinct(
+        rng,
+        VT_HOPS + 1,
+        lambda: draw.letter(string.ascii_uppercase) + "".join(rng.choices(string.ascii_uppercase, k=4)),
+    )
+    value = str(draw.number(10000, 100000))
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[j + 1]} = VAR {names[j]}." for j in range(VT_HOPS)]
-    fractions = sorted(rng.random() for _ in chain)
-    start = rng.randrange(len(sentences))
+    depths = draw.depths(len(chain))
+    start = draw.start(sentences)
     question = VT_QUESTION.format(value=value)
 
     def context(count: int) -> str:
         text = _take(sentences, start, count)
-        # The chain stays in order: statement j goes after slot fraction_j of the filler.
+        # The chain stays in order: statement j goes at depth_j percent of the filler.
         for j in reversed(range(len(chain))):
-            text.insert(int(count * fractions[j]), chain[j])
+            text.insert(int(count * depths[j] / 100), chain[j])
         return VT_CONTEXT + " ".join(text)
 
-    text = context(_fit(context, question, tokenizer, target, "vt"))
+    count = _fit(context, question, tokenizer, target, "vt")
+    facts = {"names": names, "values": [value], "depths": depths, "start": start, "sentences": count}
     prefix = VT_ANSWER_PREFIX.format(count=len(names), value=value)
-    return Sample("vt", text, question, names, prefix)
+    return Sample("vt", context(count), question, names, prefix, facts)
 
 
-def _cwe(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
+def _cwe(draw: _Draw, sentences: list[str], tokenizer, target: int) -> Sample:
     # RULER repeats the common words 30x and the others 3x (6x / 1x below 4K tokens). When the
     # vocabulary runs short for long contexts, both repeat counts grow by the same factor.
     common_repeats, uncommon_repeats = (30, 3) if target >= 4096 else (6, 1)
     question = CWE_QUESTION.format(count=CWE_COMMON)
     uncommon_available = len(WORDS) - CWE_COMMON
+    # The answers come from the split's share of the vocabulary; the filler words from all of it.
+    common = draw.rng.sample(split_share(WORDS, draw.split), CWE_COMMON)
+    others = draw.rng.sample([w for w in WORDS if w not in common], uncommon_available)
+    listing_seed = draw.rng.random()
 
-    def words(entries: int) -> tuple[list[str], list[str]]:
-        rng = random.Random(sample_seed)
+    def words(entries: int) -> list[str]:
         scale = 1
         while CWE_COMMON * common_repeats * scale + uncommon_available * uncommon_repeats * scale < entries:
             scale += 1
         common_n, uncommon_n = common_repeats * scale, uncommon_repeats * scale
-        chosen = rng.sample(WORDS, len(WORDS))
-        common = chosen[:CWE_COMMON]
-        uncommon = chosen[CWE_COMMON : CWE_COMMON + max(0, entries - CWE_COMMON * common_n) // uncommon_n]
+        uncommon = others[: max(0, entries - CWE_COMMON * common_n) // uncommon_n]
         listing = common * common_n + uncommon * uncommon_n
-        rng.shuffle(listing)
-        return listing, common
+        random.Random(listing_seed).shuffle(listing)
+        return listing
 
     def context(entries: int) -> str:
-        listing, _ = words(entries)
-        return CWE_CONTEXT + " ".join(f"{i + 1}. {word}" for i, word in enumerate(listing))
+        return CWE_CONTEXT + " ".join(f"{i + 1}. {word}" for i, word in enumerate(words(entries)))
 
     entries = _fit(context, question, tokenizer, target, "cwe", minimum=CWE_COMMON * common_repeats)
-    _, common = words(entries)
-    return Sample("cwe", context(entries), question, common, CWE_ANSWER_PREFIX.format(count=CWE_COMMON))
+    facts = {"common": common}
+    return Sample(
+        "cwe", context(entries), question, common, CWE_ANSWER_PREFIX.format(count=CWE_COMMON), facts
+    )
 
 
-def _fwe(sample_seed: str, sentences: list[str], tokenizer, target: int) -> Sample:
+def _fwe(draw: _Draw, sentences: list[str], tokenizer, target: int) -> Sample:
     # RULER: a vocabulary of random 6-letter coded words whose counts follow Zipf(alpha = 2); the
-    # top-ranked "word" is the noise token '....', so the answers are ranks 2-4.
-    rng = random.Random(sample_seed)
-    vocab = _distinct(rng, FWE_VOCAB, lambda: "".join(rng.choices(string.ascii_lowercase, k=FWE_WORD_LEN)))
-    vocab[0] = "...."
+    # top-ranked "word" is the noise token '....', so the answers are ranks 2-4. The answers start
+    # with a letter of the split's share of the alphabet.
+    rng = draw.rng
+    lowercase = string.ascii_lowercase
+    top = _distinct(
+        rng, FWE_TOP, lambda: draw.letter(lowercase) + "".join(rng.choices(lowercase, k=FWE_WORD_LEN - 1))
+    )
+    rest = _distinct(
+        rng, FWE_VOCAB - 1 - FWE_TOP, lambda: "".join(rng.choices(lowercase, k=FWE_WORD_LEN)), exclude=top
+    )
+    vocab = ["...."] + top + rest
+    shuffle_seed = rng.random()
 
     def context(total: int) -> str:
         counts = [int(total * k**-FWE_ALPHA / FWE_ZETA) for k in range(1, FWE_VOCAB + 1)]
         text = [word for word, c in zip(vocab, counts, strict=True) for _ in range(c)]
-        random.Random(sample_seed).shuffle(text)
+        random.Random(shuffle_seed).shuffle(text)
         return FWE_CONTEXT + " ".join(text)
 
     # The third answer needs a count > the fourth's: about 60 words at least.
     text = context(_fit(context, FWE_QUESTION, tokenizer, target, "fwe", minimum=64))
-    return Sample("fwe", text, FWE_QUESTION, vocab[1 : 1 + FWE_TOP], FWE_ANSWER_PREFIX)
+    return Sample("fwe", text, FWE_QUESTION, top, FWE_ANSWER_PREFIX, {"values": top})
 
 
-def _distinct(rng: random.Random, count: int, draw: Callable[[], str]) -> list[str]:
+def _distinct(rng: random.Random, count: int, draw: Callable[[], str], exclude=()) -> list[str]:
+    """``count`` distinct draws, none of them in ``exclude``."""
     out: dict[str, None] = {}
     while len(out) < count:
-        out[draw()] = None
+        item = draw()
+        if item not in exclude:
+            out[item] = None
     return list(out)
 
 
@@ -385,7 +471,7 @@ def _fit(
     return min(measured, key=lambda s: (abs(measured[s] - target), s))
 
 
-_BUILDERS: dict[str, Callable[[str, list[str], object, int], Sample]] = {
+_BUILDERS: dict[str, Callable[[_Draw, list[str], object, int], Sample]] = {
     **{task: _niah(task) for task in TASKS if task.startswith("niah_")},
     "vt": _vt,
     "cwe": _cwe,

@@ -180,3 +180,65 @@ def test_errors(tmp_path, tokenizer):
         ruler.make_samples("vt", tokenizer, 512, n=0)
     with pytest.raises(ValueError, match="haystack is empty"):
         ruler.make_samples("vt", tokenizer, 512, n=1, haystack="  ")
+
+
+def window_of(sample: ruler.Sample, sentences: list[str]) -> tuple[str, ...]:
+    """The haystack sentences of a sample's context, read from its facts and checked against the text."""
+    window = tuple(ruler._take(sentences, sample.facts["start"], sample.facts["sentences"]))
+    assert all(sentence in sample.context for sentence in window)
+    return window
+
+
+def ingredients(sample: ruler.Sample, sentences: list[str]) -> dict[str, set]:
+    """Everything a policy could memorize from a sample, read from its text where it shows there."""
+    found = {"context": {sample.context}, "answers": set(sample.answers)}
+    if sample.task.startswith("niah_"):
+        needles = NEEDLE_RE.findall(sample.context)
+        assert {key for key, _ in needles} == set(sample.facts["keys"])
+        assert {value for _, value in needles} == set(sample.facts["values"])
+        found["keys"] = {key for key, _ in needles}
+        found["values"] = {value for _, value in needles}
+    if sample.task == "vt":
+        found["values"] = set(re.findall(r"VAR [A-Z]{5} = (\d+)\.", sample.context))
+        found["keys"] = set(re.findall(r"VAR ([A-Z]{5}) =", sample.context))
+    if sample.task == "vt" or sample.task.startswith("niah_"):
+        found["depths"] = set(sample.facts["depths"])
+        found["windows"] = {window_of(sample, sentences)}
+        found["starts"] = {sample.facts["start"]}
+    return found
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_splits_share_no_sample_needle_depth_or_window(tokenizer, essays, task):
+    """No evaluation (val/test) sample, needle key or value, depth, haystack window or answer equals a
+    training one, with the essays as haystack for every split."""
+    sentences = ruler._sentences(essays)
+    seen: dict[str, dict[str, set]] = {}
+    for split in ruler.SPLITS:
+        seen[split] = {}
+        for sample in ruler.make_samples(task, tokenizer, 512, n=12, seed=0, haystack=essays, split=split):
+            assert sample.facts["split"] == split
+            for name, items in ingredients(sample, sentences).items():
+                seen[split].setdefault(name, set()).update(items)
+    assert seen["train"]["context"] and seen["train"]["answers"]
+    for held_out in ("val", "test"):
+        for name, items in seen["train"].items():
+            assert items and not items & seen[held_out][name], (task, held_out, name)
+    for name, items in seen["val"].items():
+        assert not items & seen["test"][name], (task, name)
+
+
+def test_split_share_partitions():
+    shares = [ruler.split_share(ruler.DEPTHS, split) for split in ruler.SPLITS]
+    assert sorted(d for share in shares for d in share) == sorted(ruler.DEPTHS)
+    assert all(len(share) >= ruler.VT_HOPS + 1 for share in shares)
+
+
+def test_default_split_is_test(tokenizer):
+    default = ruler.make_samples("niah_single", tokenizer, 256, n=2)
+    assert default == ruler.make_samples("niah_single", tokenizer, 256, n=2, split="test")
+    assert default != ruler.make_samples("niah_single", tokenizer, 256, n=2, split="train")
+    with pytest.raises(ValueError, match="split must be one of train, val, test"):
+        ruler.make_samples("niah_single", tokenizer, 256, n=1, split="eval")
+    with pytest.raises(ValueError, match="each of the 3 splits"):
+        ruler.make_samples("niah_single", tokenizer, 256, n=1, haystack="One sentence. Two.")
