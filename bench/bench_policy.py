@@ -22,8 +22,9 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from kvp_cache.agents import POSITION_STRATEGIES
 from kvp_cache.models import load_model
-from kvp_cache.policy import POSITION_STRATEGIES, KVPolicy
+from kvp_cache.policy import KVPolicy
 
 
 def parse_args() -> argparse.Namespace:

@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import huggingface_hub
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import tiny_model
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-import kvp_cache.policy as policy_module
+import kvp_cache.policy_loading as policy_loading
 from kvp_cache import KVPCache, available_methods, make_scorer
-from kvp_cache.policy import HeadAgents, KVPolicy, load_policy, shipped_policies
+from kvp_cache.agents import HeadAgents
+from kvp_cache.policy import KVPolicy, load_policy, shipped_policies
 
 SIZES = dict(hidden_dim=8, pos_dim=4, max_positions=12, num_mlp_layers=2)
 
@@ -30,42 +30,6 @@ def random_agents(strategy: str = "clamp", num_mlp_layers: int = 2, seed: int = 
     for parameter in agents.parameters():
         torch.nn.init.normal_(parameter)
     return agents
-
-
-def reference_scores(agents: HeadAgents, keys, values, positions) -> torch.Tensor:
-    """The paper's agent, one head and one row at a time, straight from its definition."""
-    out = torch.empty(keys.shape[:3])
-    last = agents.max_positions - 1
-
-    def layer_norm(x, norm, h):
-        return F.layer_norm(x, x.shape[-1:], norm.weight[h], norm.bias[h], norm.eps)
-
-    def linear(x, lin, h):
-        return x @ lin.weight[h] + lin.bias[h]
-
-    for row in range(keys.shape[0]):
-        real = positions[row] >= 0
-        n = int(real.sum())
-        p = positions[row].clamp(min=0).float()
-        if agents.position_strategy == "scale" and n > agents.max_positions:
-            p = p * last / (n - 1)
-        p = p.clamp(max=last)
-        low, high = p.floor().long(), (p.floor().long() + 1).clamp(max=last)
-        for h in range(keys.shape[1]):
-            table = layer_norm(agents.position_table[h], agents.position_norm, h)
-            position = torch.lerp(table[low], table[high], (p - low)[:, None])
-            x = torch.cat(
-                [
-                    layer_norm(linear(keys[row, h], agents.key_proj, h), agents.key_norm, h),
-                    layer_norm(linear(values[row, h], agents.value_proj, h), agents.value_norm, h),
-                    position,
-                ],
-                dim=-1,
-            )
-            for block in agents.mlp:
-                x = F.silu(layer_norm(linear(x, block.linear, h), block.norm, h))
-            out[row, h] = linear(x, agents.out, h).squeeze(-1).masked_fill(~real, float("-inf"))
-    return out
 
 
 def padded_inputs(lengths: list[int], seq: int, seed: int = 1):
@@ -92,7 +56,7 @@ def test_agents_match_per_head_reference(num_mlp_layers):
     agents = random_agents(num_mlp_layers=num_mlp_layers)
     keys, values, positions = padded_inputs([10, 7, 1], seq=10)
     scores = agents(keys, values, positions)
-    expected = reference_scores(agents, keys, values, positions)
+    expected = agents.reference_forward(keys, values, positions)
     assert scores.dtype == torch.float32 and scores.shape == (3, 3, 10)
     assert torch.equal(scores.isinf(), positions[:, None, :].expand(-1, 3, -1) < 0)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4)
@@ -104,7 +68,7 @@ def test_positions_past_the_table_follow_the_strategy(strategy):
     keys, values, positions = padded_inputs([30, 12, 5], seq=30)  # 30 > max_positions = 12
     torch.testing.assert_close(
         agents(keys, values, positions),
-        reference_scores(agents, keys, values, positions),
+        agents.reference_forward(keys, values, positions),
         rtol=1e-4,
         atol=1e-4,
     )
@@ -378,7 +342,7 @@ def shipped_dir(tmp_path, monkeypatch, llama):
     tiny_policy(llama, seed=5).save_pretrained(root / "tiny")
     (root / "broken").mkdir()
     (root / "broken" / "config.json").write_text("{}")
-    monkeypatch.setattr(policy_module, "POLICIES_DIR", root)
+    monkeypatch.setattr(policy_loading, "POLICIES_DIR", root)
     return root
 
 
@@ -439,7 +403,7 @@ def test_hub_repo_without_safetensors_is_refused(llama, tmp_path, monkeypatch):
             return str(config)
         raise huggingface_hub.errors.EntryNotFoundError(f"{filename} is not in {repo_id}")
 
-    monkeypatch.setattr(policy_module, "hf_hub_download", download)
+    monkeypatch.setattr(policy_loading, "hf_hub_download", download)
     with pytest.raises(ValueError, match="has no model.safetensors.*never pickle checkpoints"):
         load_policy("someone/pickle-only")
 
