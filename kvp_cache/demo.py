@@ -3,6 +3,8 @@
 Both runs generate greedily from the same prompt, one with a plain ``DynamicCache`` and one with a
 :class:`~kvp_cache.KVPCache` holding ``budget`` of the prompt; the demo reports both answers, whether
 each contains the needle, the KV bytes each cache holds at the end and the wall time of each.
+Any model of :data:`kvp_cache.models.MODELS` runs it (SmolLM2 by default); chat models get the chat
+template, base models a plain-text prompt.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
-from packaging.version import Version
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
@@ -21,16 +21,11 @@ from transformers.generation.streamers import BaseStreamer
 from kvp_cache import ruler
 from kvp_cache.budget import Budget
 from kvp_cache.cache import KVPCache
+from kvp_cache.compat import cache_kwarg
+from kvp_cache.models import MODELS, load_model, prompt_for
 
 # ../shared/data/pg_essays next to the repository checkout (absent in an installed wheel: noise is used).
 DEFAULT_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
-FALLBACK_METHOD = "snapkv"  # the strongest baseline on RULER while no learned policy ships
-# transformers 5.24 renamed generate's `past_key_values` to `cache` (the old name warns).
-CACHE_ARG = (
-    "cache"
-    if Version(Version(transformers.__version__).base_version) >= Version("5.24")
-    else "past_key_values"
-)
 
 
 @dataclass
@@ -48,6 +43,7 @@ class DemoRun:
 class DemoResult:
     """What ``kvp-cache demo`` prints, for tests and callers."""
 
+    model: str  # the Hub id of the model that answered
     needle: str
     haystack: str  # where the filler text came from: an essays directory or "RULER noise"
     prompt_tokens: int
@@ -62,14 +58,18 @@ class DemoResult:
         return self.compressed.kv_bytes / self.full.kv_bytes
 
 
-def default_policy() -> str | None:
-    """The first policy shipped in the package, or None while none ships (or the policy code is absent)."""
-    try:
-        from kvp_cache.policy import shipped_policies
-    except ImportError:
-        return None
+def default_policy(model_id: str) -> str:
+    """The shipped KVP policy trained for ``model_id`` (a Hub id such as ``config.name_or_path``)."""
+    from kvp_cache.policy import load_policy, shipped_policies
+
     names = shipped_policies()
-    return names[0] if names else None
+    for name in names:
+        if load_policy(name).base_model == model_id:
+            return name
+    raise ValueError(
+        f"no KVP policy ships for {model_id} (shipped: {', '.join(names) or 'none'}); "
+        "pass a method (--method, see kvp_cache.available_methods()) or a policy (--policy)"
+    )
 
 
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
@@ -110,7 +110,7 @@ def _generate(model, tokenizer, input_ids: torch.Tensor, cache, max_new_tokens: 
             if tokenizer.pad_token_id is not None
             else tokenizer.eos_token_id,
             streamer=_TokenProgress(max_new_tokens, f"Generating ({label})"),
-            **{CACHE_ARG: cache},
+            **{cache_kwarg(model): cache},
         )
     seconds = time.perf_counter() - start
     return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True), seconds
@@ -120,6 +120,9 @@ def run_demo(
     method: str | None = None,
     policy: str | None = None,
     budget: Budget = 0.25,
+    sink_tokens: int = 4,
+    window_tokens: int = 16,
+    model_name: str = "smollm2",
     context_tokens: int = 2048,
     max_new_tokens: int = 32,
     essays: str | Path | None = None,
@@ -129,44 +132,47 @@ def run_demo(
 ) -> DemoResult:
     """Answer one ``niah_single`` sample with a full cache and with a compressed one.
 
-    method / policy: at most one; by default the first shipped KVP policy, else ``snapkv``.
+    method / policy: at most one; by default the KVP policy shipped for the model.
+    budget, sink_tokens, window_tokens: as in :class:`~kvp_cache.KVPCache`.
+    model_name: a name of :data:`kvp_cache.models.MODELS` (or a transformers directory / Hub id);
+        it also decides the prompt format (chat template or plain text).
     essays: a directory of essays for the haystack; by default ``../shared/data/pg_essays`` of the
         repository when it exists, else RULER's noise sentences.
-    model, tokenizer: reuse a loaded SmolLM2 (or another chat model); loaded with
-        :func:`kvp_cache.models.load_model` when omitted.
+    model, tokenizer: reuse a loaded ``model_name``; loaded with :func:`kvp_cache.models.load_model`
+        when omitted.
     """
     if method is not None and policy is not None:
         raise ValueError("pass either method or policy, not both")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if method is None and policy is None:
-        policy = default_policy()
-        method = FALLBACK_METHOD if policy is None else None
     if essays is None and DEFAULT_ESSAYS.is_dir():
         essays = DEFAULT_ESSAYS
-    haystack_source = str(essays) if essays is not None else "RULER noise"
+    haystack = ruler.load_haystack(essays)  # a bad essays directory fails before the model loads
     if model is None or tokenizer is None:
-        from kvp_cache.models import load_model
-
-        with tqdm(total=1, desc="Loading SmolLM2", leave=False) as bar:
-            model, tokenizer = load_model("smollm2")
+        with tqdm(total=1, desc=f"Loading {model_name}", leave=False) as bar:
+            model, tokenizer = load_model(model_name)
             bar.update(1)
+    if method is None and policy is None:
+        policy = default_policy(model.config.name_or_path)
 
-    sample = ruler.make_samples(
-        "niah_single", tokenizer, context_tokens, n=1, seed=seed, haystack=ruler.load_haystack(essays)
-    )[0]
-    prompt, _ = ruler.chat_prompt(sample, tokenizer, question_in_context=True)
+    sample = ruler.make_samples("niah_single", tokenizer, context_tokens, n=1, seed=seed, haystack=haystack)[
+        0
+    ]
+    offline = MODELS.get(model_name)
+    chat = offline.chat if offline is not None else bool(getattr(tokenizer, "chat_template", None))
+    prompt, _ = prompt_for(sample, tokenizer, chat=chat, question_in_context=True)
     input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
     full_cache = DynamicCache(config=model.config)
     full_answer, full_seconds = _generate(
         model, tokenizer, input_ids, full_cache, max_new_tokens, "full cache"
     )
+    options = dict(budget=budget, sink_tokens=sink_tokens, window_tokens=window_tokens)
     if policy is not None:
-        cache = KVPCache.from_pretrained(policy, model=model, budget=budget)
+        cache = KVPCache(model, method="kvp", policy=policy, **options)
         label = f"kvp:{policy}"
     else:
-        cache = KVPCache(model, method=method, budget=budget)
+        cache = KVPCache(model, method=method, **options)
         label = method
     answer, seconds = _generate(
         model, tokenizer, input_ids, cache, max_new_tokens, f"{label}, budget {budget}"
@@ -176,8 +182,9 @@ def run_demo(
         return DemoRun(name, text, ruler.score(sample, text) == 1.0, kv_bytes, secs)
 
     return DemoResult(
+        model=model.config.name_or_path,
         needle=sample.answers[0],
-        haystack=haystack_source,
+        haystack=str(essays) if essays is not None else "RULER noise",
         prompt_tokens=input_ids.shape[1],
         method=label,
         budget=budget,
@@ -189,6 +196,7 @@ def run_demo(
 def format_result(result: DemoResult) -> str:
     """The human-readable report ``kvp-cache demo`` prints."""
     lines = [
+        f"Model: {result.model}",
         f"Haystack: {result.haystack}",
         f"Prompt: {result.prompt_tokens} tokens, needle {result.needle}",
         "",

