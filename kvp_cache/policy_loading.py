@@ -55,6 +55,11 @@ def shipped_policies() -> list[str]:
     )
 
 
+def _shipped_names() -> str:
+    """The shipped policy names for an error message."""
+    return ", ".join(shipped_policies()) or "none shipped"
+
+
 def resolve_local(name_or_path: str | Path) -> Path | None:
     """The directory a shipped name or a local path points to; None for a Hub repo id.
 
@@ -75,7 +80,7 @@ def resolve_local(name_or_path: str | Path) -> Path | None:
         return None
     if "/" not in name and "\\" not in name:
         raise ValueError(
-            f"Unknown policy {name!r}: not a shipped policy ({', '.join(shipped_policies()) or 'none shipped'}), "
+            f"Unknown policy {name!r}: not a shipped policy ({_shipped_names()}), "
             "a local directory or a Hub repo id ('owner/name')"
         )
     raise ValueError(f"Policy directory {name!r} does not exist (and it is not a Hub repo id 'owner/name')")
@@ -108,7 +113,7 @@ def _hub_files(repo_id: str, **download) -> tuple[Path, Path]:
                 f"Policy {repo_id!r} ({filename}) is not in the local Hugging Face cache and could not be downloaded "
                 "(HF_HUB_OFFLINE=1, local_files_only=True or no network). Download it once with "
                 f"`hf download {repo_id}`, or pass a local directory or a shipped policy "
-                f"({', '.join(shipped_policies()) or 'none shipped'})."
+                f"({_shipped_names()})."
             ) from None
         except RepositoryNotFoundError:
             raise ValueError(
