@@ -6,31 +6,39 @@ single-token forward (decoding) appends. The forward itself always attends to th
 so the prefill logits are exact.
 
 Semantics follow ``DynamicSlidingWindowLayer``: ``get_seq_length()`` is the logical number of
-tokens seen and ``get_mask_sizes()`` offsets the mask by the evicted count, so RoPE positions and
-masks stay right after eviction (see shared/research/transformers_lmeval.md, A.6).
+tokens seen and ``get_mask_sizes()`` offsets the mask by the evicted count. A direct forward takes
+its RoPE positions from ``get_seq_length()`` and ``generate`` slices a resumed prompt by it, so a
+physical count would shift positions and re-feed cached tokens after an eviction.
+
+This module holds the layer and the container only, as transformers' ``cache_utils`` does; what
+the cache needs from the model (padding, queries, the mask rewrite) comes through the hooks of
+:mod:`kvp_cache.hooks`.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvp_cache.budget import Budget, kept_per_row, protect_sinks_and_window, validate_budget
-from kvp_cache.capture import QueryCapture
-from kvp_cache.compat import cache_argument, check_decoder_config, text_config
+from kvp_cache.compat import check_decoder_config, text_config
+from kvp_cache.hooks import ForwardContext, ModelHooks
 from kvp_cache.prefill import Prefill
-from kvp_cache.scorers import Scorer, make_scorer
+from kvp_cache.scorers import QueryStates, Scorer, make_scorer
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvictionSettings:
-    """What every evicting layer of one cache shares."""
+    """The configuration every evicting layer of one cache shares; fixed when the cache is built.
+
+    What changes from one forward to the next lives in the cache's
+    :class:`~kvp_cache.hooks.ForwardContext`, filled by the model hooks.
+    """
 
     scorer: Scorer
     budget: Budget
@@ -40,12 +48,6 @@ class EvictionSettings:
     head_dim: int
     track_positions: bool = False
     built_from_model: bool = False
-    # Per-forward state written by the model hooks.
-    new_tokens_real: torch.Tensor | None = (
-        None  # [batch, q] bool, real (non-pad) flags of this forward's tokens
-    )
-    in_forward: bool = False
-    queries: dict[int, object] = field(default_factory=dict)  # layer_idx -> QueryStates of this forward
 
 
 class EvictingLayer(DynamicLayer):
@@ -59,9 +61,10 @@ class EvictingLayer(DynamicLayer):
 
     is_sliding = False
 
-    def __init__(self, settings: EvictionSettings, layer_idx: int):
+    def __init__(self, settings: EvictionSettings, context: ForwardContext, layer_idx: int):
         super().__init__()
         self.settings = settings
+        self.context = context
         self.layer_idx = layer_idx
         self._reset_state()
 
@@ -85,9 +88,14 @@ class EvictingLayer(DynamicLayer):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append the new states, return the full states for this forward, then evict if q > 1."""
-        s = self.settings
-        if self.settings.built_from_model and not s.in_forward:
+        """Append the new states (``[batch, kv_heads, q, head_dim]``) and return the whole layer.
+
+        The forward attends to what this returns: the states from BEFORE eviction, so the
+        forward that evicts (the prefill) is exact. Eviction happens after the append, when
+        ``q > 1``, and only the next forward sees the kept entries.
+        """
+        s, context = self.settings, self.context
+        if s.built_from_model and not context.in_forward:
             raise RuntimeError(
                 "This KVPCache was built for another model instance: pass it only to the model given to "
                 "KVPCache(model, ...), or build it from a config with KVPCache(config, ...)."
@@ -99,9 +107,9 @@ class EvictingLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = self._append(key_states, value_states, s.new_tokens_real)
+        keys, values = self._append(key_states, value_states, context.new_tokens_real)
         if key_states.shape[-2] > 1:
-            self._evict(layer_queries=s.queries.pop(self.layer_idx, None))
+            self._evict(layer_queries=context.queries.pop(self.layer_idx, None))
         return keys, values
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, new_real: torch.Tensor | None):
@@ -125,14 +133,20 @@ class EvictingLayer(DynamicLayer):
         self.appended_since_eviction += q
         return self.keys, self.values
 
-    def load_and_evict(self, keys: torch.Tensor, values: torch.Tensor, attention_mask, queries) -> None:
+    def load_and_evict(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        queries: QueryStates | None,
+    ) -> None:
         """Take over uncompressed prompt states (``[batch, kv_heads, seq, head_dim]``) and evict."""
         self.reset()
         self.lazy_initialization(keys, values)
         self._append(keys, values, attention_mask.bool() if attention_mask is not None else None)
         self._evict(layer_queries=queries)
 
-    def _evict(self, layer_queries) -> None:
+    def _evict(self, layer_queries: QueryStates | None) -> None:
         s = self.settings
         valid = self.valid
         real_in_cache = valid.sum(-1)
@@ -309,14 +323,15 @@ class KVPCache(Cache):
             track_positions=track_positions,
             built_from_model=model is not None,
         )
+        self.context = ForwardContext()
         reference = DynamicCache(config=config)
         layers = [
-            EvictingLayer(self.settings, i) if type(layer) is DynamicLayer else layer
+            EvictingLayer(self.settings, self.context, i) if type(layer) is DynamicLayer else layer
             for i, layer in enumerate(reference.layers)
         ]
         super().__init__(layers=layers)
         self.method = scorer.name or type(scorer).__name__
-        self._hooks = _ModelHooks(self, model) if model is not None else None
+        self._hooks = ModelHooks(self, model) if model is not None else None
 
     @classmethod
     def from_pretrained(
@@ -389,9 +404,9 @@ class KVPCache(Cache):
         built from a config, before each forward of a padded batch.
         """
         if attention_mask is None or attention_mask.dim() != 2:
-            self.settings.new_tokens_real = None
+            self.context.new_tokens_real = None
             return
-        self.settings.new_tokens_real = attention_mask.bool()
+        self.context.new_tokens_real = attention_mask.bool()
 
     def kv_bytes(self) -> int:
         """Bytes held by the cache: keys, values and per-slot metadata of every layer."""
@@ -405,8 +420,7 @@ class KVPCache(Cache):
 
     def reset(self) -> None:
         super().reset()
-        self.settings.queries.clear()
-        self.settings.new_tokens_real = None
+        self.context.clear()
 
     def __deepcopy__(self, memo):
         """An independent copy (own tensors and model hooks) that shares the scorer."""
@@ -417,7 +431,7 @@ class KVPCache(Cache):
             if name != "_hooks":
                 setattr(new, name, copy.deepcopy(value, memo))
         model = self._hooks.model() if self._hooks is not None else None
-        new._hooks = _ModelHooks(new, model) if model is not None else None
+        new._hooks = ModelHooks(new, model) if model is not None else None
         return new
 
     def __repr__(self) -> str:
@@ -426,82 +440,3 @@ class KVPCache(Cache):
             f"KVPCache(method={self.method!r}, budget={s.budget}, sink_tokens={s.sink_tokens}, "
             f"window_tokens={s.window_tokens}, evicting_layers={len(self.evicting_layers)}/{len(self.layers)})"
         )
-
-
-class _ModelHooks:
-    """Hooks on the model's decoder that feed the cache what ``Cache.update`` never sees.
-
-    Before each forward that uses this cache, they read the 2-D attention mask (which tokens are
-    padding), rewrite its columns over the kept slots so every row masks its own padding slots,
-    and for multi-token forwards attach the query capture that query-aware scorers need, removed
-    again when the forward ends. The hooks hold the cache weakly and go away with it.
-    """
-
-    def __init__(self, cache: KVPCache, model: torch.nn.Module):
-        self._cache = weakref.ref(cache)
-        self.model = weakref.ref(model)
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-        scorer = cache.settings.scorer
-        evicting = {layer.layer_idx for layer in cache.evicting_layers}
-        self.capture = QueryCapture(model, scorer.query_window, evicting) if scorer.needs_queries else None
-        handles = [
-            decoder.register_forward_pre_hook(self._before, with_kwargs=True),
-            decoder.register_forward_hook(self._after, with_kwargs=True, always_call=True),
-        ]
-        weakref.finalize(cache, _remove_all, handles, self.capture)
-
-    def _before(self, module, args, kwargs):
-        cache = self._cache()
-        if cache is None or cache_argument(kwargs) is not cache:
-            return None
-        s = cache.settings
-        s.in_forward = True
-        tokens = (
-            kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-        )
-        if tokens is None and args:
-            tokens = args[0]
-        q = tokens.shape[1]
-        mask = kwargs.get("attention_mask")
-        cache.set_attention_mask(mask[:, -q:] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
-        if self.capture is not None and q > 1:
-            self.capture.attach(s.queries)
-        kwargs["attention_mask"] = _mask_invalid_slots(cache, mask, tokens)
-        return args, kwargs
-
-    def _after(self, module, args, kwargs, output):
-        cache = self._cache()
-        if cache is None or cache_argument(kwargs) is not cache:
-            return None
-        cache.settings.in_forward = False
-        cache.settings.queries.clear()
-        if self.capture is not None:
-            self.capture.detach()
-        return None
-
-
-def _mask_invalid_slots(
-    cache: KVPCache, mask: torch.Tensor | None, tokens: torch.Tensor
-) -> torch.Tensor | None:
-    """Zero the 2-D mask columns that face padding slots of the cache (rows of a padded batch)."""
-    (batch, q), device = tokens.shape[:2], tokens.device
-    layers = cache.evicting_layers
-    if not layers or not layers[0].is_initialized or (mask is not None and mask.dim() != 2):
-        return mask
-    valid = layers[0].valid
-    if bool(valid.all()):
-        return mask
-    seen = layers[0].cumulative_length
-    if mask is None:
-        mask = torch.ones(batch, seen + q, dtype=torch.long, device=device)
-    mask = mask.clone()
-    start = seen - valid.shape[-1]
-    mask[:, start:seen] = valid.to(device=mask.device, dtype=mask.dtype)
-    return mask
-
-
-def _remove_all(handles, capture) -> None:
-    for handle in handles:
-        handle.remove()
-    if capture is not None:
-        capture.detach()
