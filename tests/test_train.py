@@ -77,6 +77,110 @@ def test_collect_resumes_and_generates(tmp_path, llama):
         )
 
 
+def test_value_importance_and_question_after_match_brute_force(llama):
+    """Targets over a future made of question tokens + answer, against output_attentions."""
+    g = torch.Generator().manual_seed(5)
+    prompt, question, answer = (torch.randint(0, 256, (k,), generator=g).tolist() for k in (30, 5, 4))
+    example = data.Example("q/0", "q", prompt, answer, question_ids=question)
+    modules = collect.attention_modules(llama)
+    trace = collect.trace_example(llama, modules, example, [], only_correct=False)
+    assert trace.future_tokens == 9
+    with torch.no_grad():
+        out = llama(torch.tensor([prompt + question + answer]), output_attentions=True, use_cache=True)
+    for layer, attention in enumerate(out.attentions):
+        rows = attention[0, :, 30:, :30]  # [q_heads=4, 9, 30]
+        values = out.past_key_values.layers[layer].values[0, :, :30]  # [kv_heads=2, 30, 16]
+        o_proj = modules[layer].o_proj.weight.view(64, 4, 16)
+        norms = torch.stack(
+            [(values[g // 2] @ o_proj[:, g].T).norm(dim=-1) for g in range(4)]
+        )  # [q_heads, 30]: ||W_o^g v_i||
+        expected_attention = rows.reshape(2, 2, 9, 30).amax(dim=1).sum(dim=1)
+        expected_value = (rows * norms[:, None]).reshape(2, 2, 9, 30).amax(dim=1).sum(dim=1)
+        stored = trace.layers[layer]
+        torch.testing.assert_close(stored["importance"], expected_attention, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(stored["value_importance"], expected_value, atol=1e-5, rtol=1e-4)
+
+
+class ByteTokenizer:
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": list(text.encode())}
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i).decode(errors="replace")
+
+
+def test_only_correct_keeps_answered_samples_and_skips_the_rest(tmp_path, llama):
+    from kvp_cache import ruler
+
+    tokenizer = ByteTokenizer()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 256, (24,), generator=g).tolist() for _ in range(3)]
+    modules = collect.attention_modules(llama)
+    cache_logits = []
+    for ids in prompts:  # what the full cache answers greedily, to build one right and two wrong samples
+        trace = collect.trace_example(
+            llama, modules, data.Example("x", "x", ids, None), [], max_new_tokens=3, only_correct=False
+        )
+        cache_logits.append(tokenizer.decode(trace.answer_ids))
+    answers = [[cache_logits[0]], ["\x01never"], ["\x01never"]]
+    examples = [
+        data.Example(f"t/{i}", "t", ids, [7, 8], sample=ruler.Sample("t", "", "", a, ""))
+        for i, (ids, a) in enumerate(zip(prompts, answers, strict=True))
+    ]
+    collect.write_traces(llama, tmp_path, {"train": examples}, set(), 2, 3, {"t": 1}, tokenizer)
+    split = TraceSplit(tmp_path, "train")
+    assert [s["uid"] for s in split.samples] == ["t/0"]
+    assert [s["uid"] for s in split.skipped] == ["t/1", "t/2"]
+    assert split.samples[0]["future_tokens"] == 2  # the gold future, not the greedy answer
+    assert len(split.layer(0)) == 1
+
+
+def test_corpora_refuse_held_out_text():
+    import json as stdlib_json
+    import sysconfig
+
+    from train import corpora
+
+    with pytest.raises(ValueError, match="held out"):
+        corpora.refuse_held_out(stdlib_json.__file__)
+    with pytest.raises(ValueError, match="held out"):
+        corpora.refuse_held_out("/usr/share/common-licenses/GPL")
+    with pytest.raises(ValueError, match="held out"):
+        data.read_text_files([stdlib_json.__file__])
+    corpora.refuse_held_out(sysconfig.get_paths()["purelib"] + "/torch/__init__.py")
+    code = corpora.documents("code", seed=0, max_chars=50_000)
+    assert code and sum(map(len, code)) >= 50_000
+    assert code == corpora.documents("code", seed=0, max_chars=50_000)
+    assert corpora.documents("docs", seed=0, max_chars=10_000)
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        corpora.documents("stdlib", seed=0)
+
+
+def test_log_uniform_lengths_and_synthetic_examples(essays_dir):
+    import random
+
+    rng = random.Random(0)
+    lengths = [data.log_uniform_length(rng, 512, 4096) for _ in range(2000)]
+    assert min(lengths) >= 512 and max(lengths) <= 4096
+    below = sum(n < 1448 for n in lengths) / len(lengths)  # 1448 ~ sqrt(512 * 4096): the median
+    assert 0.45 < below < 0.55
+    with pytest.raises(ValueError, match="low <= high"):
+        data.log_uniform_length(rng, 10, 5)
+    tokenizer = ByteTokenizer()
+    inside = data.synthetic_examples(tokenizer, 2, (300, 600), 0, essays_dir, ["niah_single"])
+    after = data.synthetic_examples(
+        tokenizer, 2, (300, 600), 0, essays_dir, ["niah_single"], question_after=True
+    )
+    for a, b in zip(inside, after, strict=True):
+        answer = tokenizer.decode(a.future_ids)
+        assert answer.strip(" .") == ", ".join(a.sample.answers)  # the gold answer, teacher-forced
+        assert a.question_ids == [] and b.question_ids
+        question = tokenizer.decode(b.question_ids)
+        assert b.sample.question in question and b.sample.question not in tokenizer.decode(b.prompt_ids)
+
+
 def test_split_and_text_windows():
     examples = random_examples(20, 0)
     split = data.split_examples(examples, 0.15, seed=3)
@@ -84,16 +188,10 @@ def test_split_and_text_windows():
     assert not {e.uid for e in split["val"]} & {e.uid for e in split["train"]}
     assert split == data.split_examples(examples, 0.15, seed=3)
 
-    class ByteTokenizer:
-        eos_token_id = 0
-
-        def __call__(self, text, add_special_tokens=False):
-            return {"input_ids": list(text.encode())}
-
-    windows = data.text_examples(ByteTokenizer(), ["abcdefgh" * 10, "xyz" * 10], 5, 12, 4, seed=0)
+    windows = data.text_examples(ByteTokenizer(), ["abcdefgh" * 10, "xyz" * 10], 5, (12, 12), (4, 4), seed=0)
     assert all(len(w.prompt_ids) == 12 and len(w.future_ids) == 4 for w in windows)
     with pytest.raises(ValueError, match="fewer than"):
-        data.text_examples(ByteTokenizer(), ["short"], 1, 12, 4, seed=0)
+        data.text_examples(ByteTokenizer(), ["short"], 1, (12, 12), (4, 4), seed=0)
 
 
 def test_hf_dataset_offline_error(monkeypatch):

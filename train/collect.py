@@ -1,46 +1,108 @@
 """``python -m train collect``: run a model over prompts and store what training needs.
 
-For every example, ONE forward over prompt + future (the model's greedy answer, or the true text
-continuation) runs with a pre-hook on each attention module that keeps its input hidden states and
-RoPE tables, and with a ``DynamicCache`` whose post-RoPE keys/values are exactly what an eviction
-cache would hold. Per layer it stores the prompt's K/V and each prompt token's future-attention
-importance (paper section 4):
-
-    importance[h, i] = sum over future queries t of max over the query heads g of KV head h of A_g[t, i]
-
-where ``A`` is the model's full causal softmax attention over prompt + future (not renormalized to
-the prompt). Future queries are processed in chunks, never as a full ``T x T`` matrix.
+For every example the prompt is prefilled once into a ``DynamicCache``, whose post-RoPE keys and
+values are exactly what an eviction cache would hold. When the future is the model's own answer, or
+a RULER sample must be checked (``only_correct``: keep only samples the full cache answers), the
+model then decodes greedily and the cache is cropped back to the prompt. Last, the future (question
+tokens, if asked after, then the gold answer, the greedy answer or the true text continuation) runs
+over the cache with a pre-hook on each attention module that keeps its input hidden states and RoPE
+tables. Per layer it stores the prompt's K/V and each prompt token's targets (``train/targets.py``):
+the future attention and its value-weighted twin, from the model's full causal softmax attention
+over prompt + future. Future queries are processed in chunks, never as a full ``T x T`` matrix.
 
 For held-out splits it also stores the score of every query-aware baseline computed from the
 prompt's own queries, so ``evaluate`` can rank them without the model.
+
+Collection resumes shard by shard: a finished shard (its ``meta.json`` written) is skipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import contextlib
 import json
+import shutil
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from kvp_cache import ruler
 from kvp_cache.capture import queries_of
-from kvp_cache.compat import text_config
+from kvp_cache.compat import attention_shape, cache_kwarg, text_config
 from kvp_cache.models import load_model
-from kvp_cache.scorers import available_methods, make_scorer
-from kvp_cache.scorers.base import rotate_half
+from kvp_cache.scorers import make_scorer, methods
 from train import data
+from train.corpora import CORPORA, DEFAULT_ESSAYS, documents
+from train.targets import future_attention, value_output_norms
 from train.traces import shard_dir, shard_done, write_shard
 
-DEFAULT_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
+TASK_FUTURES = ("gold", "greedy")
+QUERY_SCORES = ("val", "all", "none")
+# Characters of a corpus read per token a window needs; code and docs are far larger than needed.
+CHARS_PER_TOKEN_READ = 8
+
+
+@dataclass
+class CollectConfig:
+    """Everything ``collect`` needs; the CLI flags map one to one.
+
+    context_tokens / future_tokens: ``(low, high)``; prompts are log-uniform, text continuations
+    uniform in the range (``low == high``: fixed). windows: corpus name -> number of text windows.
+    """
+
+    out: str
+    model: str = "smollm2"
+    synthetic: int = 0
+    synthetic_after: int = 0
+    tasks: list[str] | None = None
+    task_future: str = "gold"
+    only_correct: bool = True
+    ruler_split: str = "train"
+    windows: dict[str, int] = field(default_factory=dict)
+    essays_dir: str = str(DEFAULT_ESSAYS)
+    text_files: list[str] | None = None
+    hf_dataset: str | None = None
+    hf_split: str = "train"
+    jsonl_field: str = "text"
+    text_windows: int = 0
+    context_tokens: tuple[int, int] = (1024, 1024)
+    future_tokens: tuple[int, int] = (64, 64)
+    max_new_tokens: int = 48
+    val_fraction: float = 0.12
+    train_name: str = "train"
+    val_name: str = "val"
+    query_scores: str = "val"
+    shard_size: int = 8
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.task_future not in TASK_FUTURES:
+            raise ValueError(f"task_future must be one of {TASK_FUTURES}, got {self.task_future!r}")
+        if self.query_scores not in QUERY_SCORES:
+            raise ValueError(f"query_scores must be one of {QUERY_SCORES}, got {self.query_scores!r}")
+        unknown = sorted(set(self.windows) - set(CORPORA))
+        if unknown:
+            raise ValueError(f"windows: unknown corpus {unknown}; corpora: {sorted(CORPORA)}")
+        for name in ("context_tokens", "future_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name} must be 1 <= low <= high, got {low}..{high}")
+        counts = {"synthetic": self.synthetic, "synthetic_after": self.synthetic_after}
+        counts |= {"text_windows": self.text_windows, **{f"windows[{k}]": v for k, v in self.windows.items()}}
+        for name, count in counts.items():
+            if count < 0:
+                raise ValueError(f"{name} must be >= 0, got {count}")
+        if self.shard_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("shard_size and max_new_tokens must be >= 1")
 
 
 def query_aware_methods() -> list[str]:
-    """Registry methods that need the prompt's queries (scored at collection time)."""
-    return [m for m in available_methods() if m != "kvp" and make_scorer(m).needs_queries]
+    """Baselines that need the prompt's queries (scored at collection time)."""
+    return methods(query_aware=True, learned=False)
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -49,38 +111,12 @@ def attention_modules(model) -> list[torch.nn.Module]:
         (m for m in model.modules() if hasattr(m, "q_proj") and getattr(m, "layer_idx", None) is not None),
         key=lambda m: m.layer_idx,
     )
-    layers = text_config(model.config).num_hidden_layers
+    layers = attention_shape(model.config).num_layers
     if len(modules) != layers:
         raise NotImplementedError(
             f"collect needs Llama-style attention modules (q_proj, layer_idx); found {len(modules)} of {layers}"
         )
     return modules
-
-
-def future_importance(
-    queries: torch.Tensor, keys: torch.Tensor, prompt_len: int, scaling: float, chunk: int = 128
-) -> torch.Tensor:
-    """Attention each prompt token receives from the future queries.
-
-    queries: ``[q_heads, F, d]`` post-RoPE queries at positions ``T - F .. T - 1``;
-    keys: ``[kv_heads, T, d]`` post-RoPE keys of prompt + future. Causal softmax in float32 over
-    all ``T`` keys; the attention is maxed over each GQA group, then summed over the queries.
-    Returns ``[kv_heads, prompt_len]`` float32.
-    """
-    kv_heads, total, d = keys.shape
-    q_heads, future, _ = queries.shape
-    grouped = queries.float().view(kv_heads, q_heads // kv_heads, future, d)
-    keys = keys.float()
-    importance = torch.zeros(kv_heads, prompt_len)
-    key_pos = torch.arange(total)
-    for start in range(0, future, chunk):
-        q = grouped[:, :, start : start + chunk]
-        query_pos = torch.arange(q.shape[2]) + (total - future + start)
-        logits = torch.einsum("hgfd,htd->hgft", q, keys) * scaling
-        logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-        attention = logits.softmax(-1)[..., :prompt_len]  # [kv_heads, group, chunk, prompt_len]
-        importance += attention.amax(dim=1).sum(dim=1)
-    return importance
 
 
 class InputCapture:
@@ -107,48 +143,82 @@ class InputCapture:
         self.store[module.layer_idx] = (hidden, cos, sin)
 
 
-def rope_keys(module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Post-RoPE keys ``[batch, kv_heads, seq, d]`` recomputed from the attention input (used only to
-    cross-check the cache in tests)."""
-    b, n, _ = hidden.shape
-    pre = module.k_proj(hidden).view(b, n, -1, module.head_dim)
-    if hasattr(module, "k_norm"):
-        pre = module.k_norm(pre)
-    pre = pre.transpose(1, 2)
-    return pre * cos.unsqueeze(1) + rotate_half(pre) * sin.unsqueeze(1)
-
-
 @torch.no_grad()
-def greedy_answer(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The model's greedy continuation (stops at EOS, which is kept)."""
-    ids = torch.tensor([prompt_ids])
+def greedy_continue(
+    model, cache, logits: torch.Tensor, question_ids: list[int], max_new_tokens: int
+) -> list[int]:
+    """The model's greedy answer after the cached prompt (then ``question_ids``); stops at EOS, kept.
+
+    logits: ``[vocab]`` of the prompt's last position. The cache grows; the caller crops it.
+    """
+    keyword = cache_kwarg(model)
+    if question_ids:
+        out = model(
+            input_ids=torch.tensor([question_ids]), use_cache=True, logits_to_keep=1, **{keyword: cache}
+        )
+        logits = out.logits[0, -1]
     eos = model.generation_config.eos_token_id
-    pad = eos[0] if isinstance(eos, list) else eos
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-    )
-    return out[0, ids.shape[1] :].tolist()
+    eos = set(eos if isinstance(eos, list) else [eos])
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] in eos or len(tokens) == max_new_tokens:
+            return tokens
+        out = model(
+            input_ids=torch.tensor([tokens[-1:]]), use_cache=True, logits_to_keep=1, **{keyword: cache}
+        )
+        logits = out.logits[0, -1]
+
+
+@dataclass
+class Trace:
+    """One traced example: per layer ``{"keys", "values", "importance", "value_importance",
+    "score.<m>"...}`` of shapes ``[kv_heads, n, d]`` / ``[kv_heads, n]`` (None when the full cache
+    answered wrong and the example is skipped), the future's length and the greedy answer."""
+
+    layers: list[dict[str, torch.Tensor]] | None
+    future_tokens: int
+    answer_ids: list[int] | None
+    correct: bool | None
 
 
 @torch.no_grad()
 def trace_example(
-    model, modules, prompt_ids: list[int], future_ids: list[int], methods: list[str]
-) -> list[dict]:
-    """One forward over prompt + future; per layer ``{"keys", "values", "importance", "score.<m>"...}``
-    with shapes ``[kv_heads, n, d]`` / ``[kv_heads, n]``, ``n = len(prompt_ids)``."""
-    if not future_ids:
-        raise ValueError("an example needs at least one future token")
-    n = len(prompt_ids)
-    ids = torch.tensor([prompt_ids + future_ids])
+    model,
+    modules: list[torch.nn.Module],
+    example: data.Example,
+    methods: list[str],
+    max_new_tokens: int = 48,
+    tokenizer=None,
+    only_correct: bool = True,
+) -> Trace:
+    """Prefill, optionally answer greedily and check, then run the future over the prompt's cache."""
+    n = len(example.prompt_ids)
     cache = DynamicCache(config=text_config(model.config))
+    keyword = cache_kwarg(model)
+    capture_prompt = InputCapture(modules) if methods else contextlib.nullcontext()
+    with capture_prompt:
+        out = model(
+            input_ids=torch.tensor([example.prompt_ids]), use_cache=True, logits_to_keep=1, **{keyword: cache}
+        )
+    answer_ids, correct = None, None
+    check = only_correct and example.sample is not None
+    if example.future_ids is None or check:
+        answer_ids = greedy_continue(model, cache, out.logits[0, -1], example.question_ids, max_new_tokens)
+        # A negative crop removes that many tokens in every supported transformers version.
+        cache.crop(n - cache.get_seq_length())
+        if check:
+            if tokenizer is None:
+                raise ValueError("checking RULER answers (only_correct) needs the tokenizer")
+            correct = ruler.score(example.sample, tokenizer.decode(answer_ids)) == 1.0
+            if not correct:
+                return Trace(None, 0, answer_ids, correct)
+    future = example.question_ids + (example.future_ids if example.future_ids is not None else answer_ids)
+    if not future:
+        raise ValueError(f"example {example.uid} has no future token")
     base = model.base_model
-    cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     with InputCapture(modules) as capture:
-        base(input_ids=ids, use_cache=True, **{cache_arg: cache})
+        base(input_ids=torch.tensor([future]), use_cache=True, **{cache_kwarg(base): cache})
     positions = torch.arange(n)[None]
     scorers = [(m, make_scorer(m)) for m in methods]
     layers = []
@@ -156,79 +226,98 @@ def trace_example(
         layer = module.layer_idx
         keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # [kv_heads, T, d]
         hidden, cos, sin = capture.store[layer]
-        future_q = queries_of(module, hidden, cos, sin, len(future_ids)).queries[0]
-        out = {
+        future_q = queries_of(module, hidden, cos, sin, len(future)).queries[0]
+        norms = value_output_norms(values[:, :n], module.o_proj.weight)
+        importance, value_importance = future_attention(future_q, keys, n, module.scaling, norms)
+        tensors = {
             "keys": keys[:, :n].half(),
             "values": values[:, :n].half(),
-            "importance": future_importance(future_q, keys, n, module.scaling),
+            "importance": importance,
+            "value_importance": value_importance,
         }
         for name, scorer in scorers:
-            q = queries_of(module, hidden[:, :n], cos[:, :n], sin[:, :n], scorer.query_window)
+            hidden_p, cos_p, sin_p = capture_prompt.store[layer]
+            q = queries_of(module, hidden_p, cos_p, sin_p, scorer.query_window)
             score = scorer.score(keys[None, :, :n], values[None, :, :n], positions, q, layer)[0]
-            out[f"score.{name}"] = score.float()
-        layers.append(out)
-    return layers
+            tensors[f"score.{name}"] = score.float()
+        layers.append(tensors)
+    return Trace(layers, len(future), answer_ids, correct)
 
 
-def build_examples(args, tokenizer) -> list[data.Example]:
-    """Every example the arguments ask for, deterministic given the seed."""
+def build_examples(config: CollectConfig, tokenizer) -> list[data.Example]:
+    """Every example the config asks for, deterministic given the seed, sources interleaved."""
     groups = []
-    if args.synthetic:
-        groups.append(
-            data.synthetic_examples(
-                tokenizer, args.synthetic, args.context_tokens, args.seed, args.essays_dir, args.tasks
+    gold = config.task_future == "gold"
+    for count, after in ((config.synthetic, False), (config.synthetic_after, True)):
+        if count:
+            groups.append(
+                data.synthetic_examples(
+                    tokenizer,
+                    count,
+                    config.context_tokens,
+                    config.seed,
+                    config.essays_dir,
+                    config.tasks,
+                    question_after=after,
+                    gold_future=gold,
+                    split=config.ruler_split,
+                )
             )
-        )
-    if args.essay_windows:
-        essays = data.read_text_files([args.essays_dir])
-        groups.append(
-            data.text_examples(
-                tokenizer,
-                essays,
-                args.essay_windows,
-                args.context_tokens,
-                args.future_tokens,
-                args.seed,
-                "essay",
+    window_tokens = config.context_tokens[1] + config.future_tokens[1]
+    for offset, (corpus, count) in enumerate(sorted(config.windows.items())):
+        if count:
+            texts = documents(
+                corpus, config.seed, count * window_tokens * CHARS_PER_TOKEN_READ, config.essays_dir
             )
-        )
-    documents = []
-    if args.text_files:
-        documents += data.read_text_files(args.text_files, args.jsonl_field)
-    if args.hf_dataset:
-        documents += data.hf_dataset_texts(args.hf_dataset, args.hf_split, args.jsonl_field)
-    if args.text_windows:
-        if not documents:
-            raise ValueError("--text-windows needs --text-files or --hf-dataset")
-        groups.append(
-            data.text_examples(
-                tokenizer,
-                documents,
-                args.text_windows,
-                args.context_tokens,
-                args.future_tokens,
-                args.seed + 7,
-            )
-        )
+            groups.append(text_windows(config, tokenizer, texts, count, config.seed + offset, corpus))
+    if config.text_windows:
+        texts = []
+        if config.text_files:
+            texts += data.read_text_files(config.text_files, config.jsonl_field)
+        if config.hf_dataset:
+            texts += data.hf_dataset_texts(config.hf_dataset, config.hf_split, config.jsonl_field)
+        if not texts:
+            raise ValueError("text_windows needs text_files or hf_dataset")
+        groups.append(text_windows(config, tokenizer, texts, config.text_windows, config.seed + 7, "text"))
     examples = list(data.interleave(*groups))
     if not examples:
-        raise ValueError("nothing to collect: set --synthetic, --essay-windows or --text-windows")
+        raise ValueError(
+            "nothing to collect: set --synthetic, --synthetic-after, --windows or --text-windows"
+        )
     return examples
 
 
-def collect_command(args) -> None:
-    torch.manual_seed(args.seed)
-    model, tokenizer = load_model(args.model or "smollm2")
-    examples = build_examples(args, tokenizer)
-    splits = data.split_examples(examples, args.val_fraction, args.seed)
-    named = {args.train_name: splits["train"], args.val_name: splits["val"]}
-    scored = (
-        {args.val_name} if args.query_scores == "val" else set(named) if args.query_scores == "all" else set()
+def text_windows(config: CollectConfig, tokenizer, texts: list[str], count: int, seed: int, name: str):
+    return data.text_examples(
+        tokenizer, texts, count, config.context_tokens, config.future_tokens, seed, name
     )
-    settings = {k: v for k, v in vars(args).items() if k not in {"threads", "func", "command", "out"}}
+
+
+def collect(config: CollectConfig, model=None, tokenizer=None) -> Path:
+    """Build the examples, split them, and trace every split into ``config.out``; resumable."""
+    config.validate()
+    torch.manual_seed(config.seed)
+    if model is None:
+        model, tokenizer = load_model(config.model)
+    examples = build_examples(config, tokenizer)
+    splits = data.split_examples(examples, config.val_fraction, config.seed)
+    named = {config.train_name: splits["train"], config.val_name: splits["val"]}
+    scored = {"val": {config.val_name}, "all": set(named), "none": set()}[config.query_scores]
+    settings = {k: v for k, v in asdict(config).items() if k != "out"}
+    settings = json.loads(json.dumps(settings))  # tuples -> lists, as read back from collect.json
+    out = Path(config.out)
     write_traces(
-        model, Path(args.out), named, scored, args.shard_size, args.max_new_tokens, settings, tokenizer
+        model,
+        out,
+        named,
+        scored,
+        config.shard_size,
+        config.max_new_tokens,
+        settings,
+        tokenizer,
+        config.only_correct,
     )
+    return out
 
 
 def write_traces(
@@ -240,24 +329,26 @@ def write_traces(
     max_new_tokens: int,
     settings: dict,
     tokenizer=None,
+    only_correct: bool = True,
 ) -> None:
     """Trace every example into ``out/<split>/shard_*``; finished shards are skipped.
 
-    scored_splits: the splits that also store the query-aware baselines' scores.
+    scored_splits: the splits that also store the query-aware baselines' scores. Examples the full
+    cache answers wrong (``only_correct``) are listed under ``skipped`` in the shard's meta.json.
     """
     modules = attention_modules(model)
-    config = text_config(model.config)
+    shape = attention_shape(model.config)
     model_info = {
-        "name": config.name_or_path or "",
-        "num_layers": config.num_hidden_layers,
-        "num_kv_heads": config.num_key_value_heads,
-        "head_dim": modules[0].head_dim,
+        "name": text_config(model.config).name_or_path or "",
+        "num_layers": shape.num_layers,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
     }
     todo = []
     for split, items in splits.items():
         if not items:
             continue
-        split_dir = out / split
+        split_dir = Path(out) / split
         split_dir.mkdir(parents=True, exist_ok=True)
         settings_file = split_dir / "collect.json"
         if settings_file.exists() and json.loads(settings_file.read_text())["settings"] != settings:
@@ -265,62 +356,122 @@ def write_traces(
                 f"{split_dir} was collected with other settings ({settings_file}); use a new --out or delete it"
             )
         settings_file.write_text(json.dumps({"settings": settings, "model": model_info}, indent=1))
-        methods = query_aware_methods() if split in scored_splits else []
+        scored = query_aware_methods() if split in scored_splits else []
         for index in range(0, len(items), shard_size):
             todo.append(
-                (shard_dir(out, split, index // shard_size), items[index : index + shard_size], methods)
+                (shard_dir(out, split, index // shard_size), items[index : index + shard_size], scored)
             )
     total = sum(len(items) for _, items, _ in todo)
     done = sum(len(items) for shard, items, _ in todo if shard_done(shard))
     bar = tqdm(total=total, initial=done, desc="collect", unit="sample")
-    for shard, items, methods in todo:
+    kept = skipped = 0
+    for shard, items, scored in todo:
         if shard_done(shard):
             continue
         per_layer = [dict() for _ in modules]
-        metas = []
+        metas, skips = [], []
         for example in items:
             started = time.time()
-            future = example.future_ids or greedy_answer(model, example.prompt_ids, max_new_tokens)
-            traced = trace_example(model, modules, example.prompt_ids, future, methods)
-            for layer, tensors in zip(per_layer, traced, strict=True):
-                for name, tensor in tensors.items():
-                    layer.setdefault(name, []).append(tensor)
+            trace = trace_example(model, modules, example, scored, max_new_tokens, tokenizer, only_correct)
             answer = (
-                tokenizer.decode(future) if example.future_ids is None and tokenizer is not None else None
+                tokenizer.decode(trace.answer_ids)
+                if trace.answer_ids is not None and tokenizer is not None
+                else None
             )
-            metas.append(
-                {
-                    "uid": example.uid,
-                    "source": example.source,
-                    "prompt_tokens": len(example.prompt_ids),
-                    "future_tokens": len(future),
-                    "answer": answer,
-                    "seconds": round(time.time() - started, 2),
-                    **example.info,
-                }
-            )
+            record = {
+                "uid": example.uid,
+                "source": example.source,
+                "prompt_tokens": len(example.prompt_ids),
+                "future_tokens": trace.future_tokens,
+                "answer": answer,
+                "seconds": round(time.time() - started, 2),
+                **example.info,
+            }
+            if trace.layers is None:
+                skips.append(record)
+                skipped += 1
+            else:
+                for layer, tensors in zip(per_layer, trace.layers, strict=True):
+                    for name, tensor in tensors.items():
+                        layer.setdefault(name, []).append(tensor)
+                metas.append(record)
+                kept += 1
             bar.update(1)
-        write_shard(shard, per_layer, {"model": model_info, "methods": methods, "samples": metas})
+            bar.set_postfix(kept=kept, skipped=skipped)
+        write_shard(
+            shard, per_layer, {"model": model_info, "methods": scored, "samples": metas, "skipped": skips}
+        )
     bar.close()
-    print(f"traces in {out}: " + ", ".join(f"{name}={len(items)}" for name, items in splits.items() if items))
+    sizes = ", ".join(f"{name}={len(items)}" for name, items in splits.items() if items)
+    print(
+        f"traces in {out}: {sizes} examples; {trace_gigabytes(out):.2f} GB on disk; free {free_gigabytes(out):.0f} GB"
+    )
+
+
+def trace_gigabytes(root: str | Path) -> float:
+    """Size of every file under ``root`` in GB."""
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file()) / 1e9
+
+
+def free_gigabytes(path: str | Path) -> float:
+    return shutil.disk_usage(path).free / 1e9
+
+
+def parse_windows(specs: list[str]) -> dict[str, int]:
+    """``["essays=100", "code=50"]`` -> ``{"essays": 100, "code": 50}``."""
+    windows = {}
+    for spec in specs:
+        corpus, _, count = spec.partition("=")
+        if corpus not in CORPORA or not count.isdigit():
+            raise ValueError(f"--windows takes CORPUS=COUNT with CORPUS in {sorted(CORPORA)}; got {spec!r}")
+        windows[corpus] = int(count)
+    return windows
+
+
+def token_range(values: list[int]) -> tuple[int, int]:
+    """``[n]`` -> ``(n, n)``; ``[low, high]`` -> ``(low, high)``."""
+    if len(values) not in (1, 2):
+        raise ValueError(f"give one length or a LOW HIGH range, got {values}")
+    return (values[0], values[-1])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = CollectConfig(out="")
     parser.add_argument(
         "--out", required=True, help="trace directory (resumable: finished shards are skipped)"
     )
     parser.add_argument(
-        "--model", default="smollm2", help="'smollm2' (offline default) or a local HF model dir"
+        "--model", default=defaults.model, help="'smollm2' (offline default) or a local HF model dir"
     )
-    parser.add_argument("--synthetic", type=int, default=0, help="number of synthetic RULER prompts")
+    parser.add_argument("--synthetic", type=int, default=0, help="RULER prompts, question inside the prefill")
+    parser.add_argument(
+        "--synthetic-after", type=int, default=0, help="RULER prompts, question asked after the context"
+    )
     parser.add_argument(
         "--tasks", nargs="*", default=None, help="RULER tasks (default: all kvp_cache.ruler.TASKS)"
     )
     parser.add_argument(
-        "--essay-windows", type=int, default=0, help="number of plain-text windows cut from essays"
+        "--task-future",
+        choices=TASK_FUTURES,
+        default=defaults.task_future,
+        help="teacher-forced gold or greedy answer",
     )
     parser.add_argument(
-        "--essays-dir", default=str(DEFAULT_ESSAYS), help="essay .txt dir (haystack and text)"
+        "--keep-wrong",
+        dest="only_correct",
+        action="store_false",
+        help="keep RULER samples the full cache answers wrong (skipped by default)",
+    )
+    parser.add_argument("--ruler-split", choices=ruler.SPLITS, default=defaults.ruler_split)
+    parser.add_argument(
+        "--windows",
+        nargs="*",
+        default=[],
+        metavar="CORPUS=COUNT",
+        help=f"text windows per corpus {sorted(CORPORA)}",
+    )
+    parser.add_argument(
+        "--essays-dir", default=defaults.essays_dir, help="essay .txt dir (haystack and text)"
     )
     parser.add_argument("--text-files", nargs="*", default=None, help=".txt/.md/.jsonl files or directories")
     parser.add_argument("--hf-dataset", default=None, help="Hugging Face dataset name (needs network)")
@@ -329,22 +480,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--text-windows", type=int, default=0, help="windows cut from --text-files/--hf-dataset"
     )
-    parser.add_argument("--context-tokens", type=int, default=1024, help="prompt length in tokens")
     parser.add_argument(
-        "--future-tokens", type=int, default=64, help="true continuation length for plain text"
+        "--context-tokens",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="prompt length, or LOW HIGH (log-uniform)",
     )
     parser.add_argument(
-        "--max-new-tokens", type=int, default=48, help="greedy answer length for synthetic tasks"
+        "--future-tokens", type=int, nargs="+", default=[64], help="text continuation length, or LOW HIGH"
     )
-    parser.add_argument("--val-fraction", type=float, default=0.12, help="held-out share, split per sample")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="greedy answer length"
+    )
+    parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction, help="held-out share")
     parser.add_argument("--train-name", default="train")
     parser.add_argument("--val-name", default="val")
     parser.add_argument(
-        "--query-scores",
-        choices=["val", "all", "none"],
-        default="val",
-        help="splits that store baseline scores",
+        "--query-scores", choices=QUERY_SCORES, default="val", help="splits that store baseline scores"
     )
-    parser.add_argument("--shard-size", type=int, default=8, help="samples per shard (the resume unit)")
+    parser.add_argument(
+        "--shard-size", type=int, default=defaults.shard_size, help="samples per shard (resume unit)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+
+
+def config_from_args(args: argparse.Namespace) -> CollectConfig:
+    fields = set(CollectConfig.__dataclass_fields__)
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values.update(
+        windows=parse_windows(args.windows),
+        context_tokens=token_range(args.context_tokens),
+        future_tokens=token_range(args.future_tokens),
+    )
+    return CollectConfig(**values)
+
+
+def collect_command(args: argparse.Namespace) -> Path:
+    return collect(config_from_args(args))

@@ -1,9 +1,11 @@
-"""Where collection prompts come from: synthetic RULER tasks, plain text, JSONL or a HF dataset.
+"""Collection prompts: synthetic RULER tasks, windows of real text (``train/corpora.py``), JSONL
+or a HF dataset.
 
 Every source yields :class:`Example` objects: the prompt token ids (the cache the policy will rank)
-and, for plain text, the true continuation. Synthetic prompts have no continuation; ``collect``
-lets the model answer them greedily, as the paper does. ``split_examples`` keeps a held-out split,
-chosen per sample with a seeded permutation.
+and the future whose queries define importance: for text the true continuation, for tasks the gold
+answer teacher-forced after the answer prefix (or the model's greedy answer, the paper's choice),
+preceded by the question for question-after traces. Lengths are drawn log-uniformly from a range.
+``split_examples`` keeps a held-out split, chosen per sample with a seeded permutation.
 """
 
 from __future__ import annotations
@@ -15,40 +17,66 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvp_cache import ruler
+from train.corpora import refuse_held_out
+
 
 @dataclass
 class Example:
-    """One collection prompt.
+    """One collection prompt and the future that defines its tokens' importance.
 
-    uid: stable name, e.g. ``"niah_single_1/3"`` or ``"text/17"``.
-    source: the task name for synthetic prompts, ``"text"`` for plain text.
+    uid: stable name, e.g. ``"niah_single/3"`` or ``"code/17"``.
+    source: the task name for synthetic prompts (``<task>-after`` for question-after ones), else
+        the corpus name.
     prompt_ids: the tokens whose cache entries get ranked.
-    future_ids: the continuation whose queries define importance; None = the model's greedy answer.
-    info: small JSON-able facts kept in the shard metadata (answers, file name).
+    question_ids: tokens fed after the prompt, before the answer (the question of a question-after
+        trace: compress, then ask); they are future queries.
+    future_ids: the answer or continuation whose queries (with ``question_ids``) define importance;
+        None = the model's greedy answer.
+    sample: the RULER sample, so ``collect`` can check that the full cache answers it.
+    info: small JSON-able facts kept in the shard metadata (answers, corpus).
     """
 
     uid: str
     source: str
     prompt_ids: list[int]
     future_ids: list[int] | None = None
+    question_ids: list[int] = field(default_factory=list)
+    sample: ruler.Sample | None = None
     info: dict = field(default_factory=dict)
+
+
+def log_uniform_length(rng: random.Random, low: int, high: int) -> int:
+    """A length between ``low`` and ``high`` with a uniform logarithm (``low`` when they are equal)."""
+    if not 1 <= low <= high:
+        raise ValueError(f"lengths must satisfy 1 <= low <= high, got {low}..{high}")
+    return low if low == high else round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def gold_answer_ids(sample: ruler.Sample, tokenizer) -> list[int]:
+    """The gold answer as the model would write it after ``answer_prefix``, ending with EOS."""
+    ids = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
 
 
 def synthetic_examples(
     tokenizer,
     n: int,
-    context_tokens: int,
+    context_tokens: tuple[int, int],
     seed: int,
     essays_dir: str | Path | None,
     tasks: list[str] | None = None,
+    question_after: bool = False,
+    gold_future: bool = True,
+    split: str = "train",
 ) -> list[Example]:
-    """``n`` RULER-style prompts spread round-robin over ``tasks`` (default: all of ``ruler.TASKS``).
+    """``n`` RULER-style prompts of ruler's ``split``, round-robin over ``tasks`` (default: all).
 
-    The question is inside the prompt (``question_in_context=True``), so the ranked cache is the
-    whole chat prompt, and the model's answer supplies the future queries.
+    Each prompt is about ``log_uniform_length(*context_tokens)`` tokens. With the question inside
+    (``question_after=False``, the paper's protocol) the ranked cache is the whole chat prompt;
+    with ``question_after=True`` it is the context alone and the question joins the future. The
+    future answer is the gold one, teacher-forced (``gold_future``), or the model's greedy one.
     """
-    from kvp_cache import ruler
-
     tasks = list(tasks or ruler.TASKS)
     unknown = sorted(set(tasks) - set(ruler.TASKS))
     if unknown:
@@ -56,19 +84,25 @@ def synthetic_examples(
     if n <= 0:
         return []
     haystack = ruler.load_haystack(essays_dir)
-    per_task = [n // len(tasks) + (i < n % len(tasks)) for i in range(len(tasks))]
+    rng = random.Random(f"synthetic/{seed}/{question_after}")
+    kind = "-after" if question_after else ""
     examples = []
-    for task_index, (task, count) in enumerate(zip(tasks, per_task, strict=True)):
-        if count == 0:
-            continue
-        samples = ruler.make_samples(
-            task, tokenizer, context_tokens, count, seed + 1000 * task_index, haystack
+    for i in range(n):
+        task = tasks[i % len(tasks)]
+        length = log_uniform_length(rng, *context_tokens)
+        (sample,) = ruler.make_samples(task, tokenizer, length, 1, seed * 100_000 + i, haystack, split=split)
+        prefix, suffix = ruler.chat_prompt(sample, tokenizer, question_in_context=not question_after)
+        examples.append(
+            Example(
+                uid=f"{task}{kind}/{i}",
+                source=f"{task}{kind}",
+                prompt_ids=tokenizer(prefix, add_special_tokens=False)["input_ids"],
+                future_ids=gold_answer_ids(sample, tokenizer) if gold_future else None,
+                question_ids=tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else [],
+                sample=sample,
+                info={"answers": list(sample.answers)},
+            )
         )
-        for i, sample in enumerate(samples):
-            prefix, suffix = ruler.chat_prompt(sample, tokenizer, question_in_context=True)
-            ids = tokenizer(prefix + suffix, add_special_tokens=False)["input_ids"]
-            info = {"answers": list(sample.answers)}
-            examples.append(Example(f"{task}/{i}", task, ids, None, info))
     return examples
 
 
@@ -83,6 +117,7 @@ def read_text_files(paths: Iterable[str | Path], jsonl_field: str = "text") -> l
                 sorted(p for p in path.iterdir() if p.suffix in {".txt", ".md", ".jsonl"})
             )
         elif path.suffix == ".jsonl":
+            refuse_held_out(path)
             with path.open() as handle:
                 for line_no, line in enumerate(handle, 1):
                     if not line.strip():
@@ -92,6 +127,7 @@ def read_text_files(paths: Iterable[str | Path], jsonl_field: str = "text") -> l
                         raise ValueError(f"{path}:{line_no} has no field {jsonl_field!r} (set --jsonl-field)")
                     documents.append(str(record[jsonl_field]))
         elif path.is_file():
+            refuse_held_out(path)
             documents.append(path.read_text(errors="replace"))
         else:
             raise FileNotFoundError(f"--text-files: {path} does not exist")
@@ -122,14 +158,15 @@ def text_examples(
     tokenizer,
     documents: list[str],
     n: int,
-    context_tokens: int,
-    future_tokens: int,
+    context_tokens: tuple[int, int],
+    future_tokens: tuple[int, int],
     seed: int,
     prefix: str = "text",
 ) -> list[Example]:
     """``n`` windows cut at random places from the documents, joined by EOS into one token stream.
 
-    Each window is ``context_tokens`` of prompt followed by its true ``future_tokens`` continuation.
+    Each window is a prompt of ``log_uniform_length(*context_tokens)`` tokens followed by its true
+    continuation of a uniform ``future_tokens[0]..future_tokens[1]`` tokens.
     """
     if n <= 0:
         return []
@@ -142,17 +179,19 @@ def text_examples(
     stream: list[int] = []
     for i in order:
         stream += tokenizer(documents[i], add_special_tokens=False)["input_ids"] + eos
-    length = context_tokens + future_tokens
-    if len(stream) < length:
+    longest = context_tokens[1] + future_tokens[1]
+    if len(stream) < longest:
         raise ValueError(
-            f"the text has {len(stream)} tokens, fewer than context_tokens + future_tokens = {length}; "
+            f"the text has {len(stream)} tokens, fewer than the longest window (context + future = {longest}); "
             "add documents or shorten the prompts"
         )
     examples = []
     for i in range(n):
+        context = log_uniform_length(rng, *context_tokens)
+        length = context + rng.randint(*future_tokens)
         start = rng.randrange(0, len(stream) - length + 1)
         window = stream[start : start + length]
-        examples.append(Example(f"{prefix}/{i}", prefix, window[:context_tokens], window[context_tokens:]))
+        examples.append(Example(f"{prefix}/{i}", prefix, window[:context], window[context:]))
     return examples
 
 

@@ -4,11 +4,15 @@ One file per (shard, layer) holds every sample of the shard concatenated along t
 
 - ``keys``, ``values``: ``[kv_heads, total_tokens, head_dim]`` float16, post-RoPE prompt K/V;
 - ``importance``: ``[kv_heads, total_tokens]`` float32, future attention per prompt token;
+- ``value_importance``: ``[kv_heads, total_tokens]`` float32, the same weighted by ``||W_o v||``
+  (``train/targets.py``; absent from traces collected before it existed);
 - ``offsets``: ``[samples + 1]`` int64, sample ``i`` is ``[offsets[i], offsets[i+1])``;
 - ``score.<method>``: ``[kv_heads, total_tokens]`` float32, query-aware baseline scores (held-out
   splits only).
 
-``meta.json`` is written last, so a shard without it is unfinished and ``collect`` redoes it.
+``meta.json`` is written last, so a shard without it is unfinished and ``collect`` redoes it. It
+lists the shard's samples and the ``skipped`` ones (RULER samples the full cache answered wrong); a
+shard whose samples were all skipped has no layer files.
 Files are read through ``safetensors.safe_open`` (memory-mapped): only the layer being trained is
 ever materialized.
 """
@@ -39,7 +43,7 @@ def shard_done(shard: Path) -> bool:
 def write_shard(shard: Path, per_layer: list[dict[str, list[torch.Tensor]]], meta: dict) -> None:
     """Write one shard. ``per_layer[l][name]`` is a list over samples of ``[kv_heads, n_i, ...]``."""
     shard.mkdir(parents=True, exist_ok=True)
-    for layer, tensors in enumerate(per_layer):
+    for layer, tensors in enumerate(per_layer if meta["samples"] else []):
         lengths = [t.shape[1] for t in tensors["keys"]]
         offsets = torch.tensor([0] + lengths).cumsum(0)
         out = {"offsets": offsets}
@@ -51,8 +55,8 @@ def write_shard(shard: Path, per_layer: list[dict[str, list[torch.Tensor]]], met
 
 @dataclass
 class LayerSample:
-    """One sample of one layer. keys/values ``[kv_heads, n, head_dim]`` float16, importance
-    ``[kv_heads, n]``, scores: method -> ``[kv_heads, n]``."""
+    """One sample of one layer. keys/values ``[kv_heads, n, head_dim]`` float16, importance and
+    value_importance ``[kv_heads, n]``, scores: method -> ``[kv_heads, n]``."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -60,6 +64,7 @@ class LayerSample:
     scores: dict[str, torch.Tensor]
     uid: str
     source: str
+    value_importance: torch.Tensor | None = None
 
 
 class TraceSplit:
@@ -67,14 +72,15 @@ class TraceSplit:
 
     def __init__(self, root: str | Path, split: str):
         self.dir = Path(root) / split
-        self.shards = (
-            sorted(p for p in self.dir.glob("shard_*") if shard_done(p)) if self.dir.is_dir() else []
-        )
+        done = sorted(p for p in self.dir.glob("shard_*") if shard_done(p)) if self.dir.is_dir() else []
+        metas = [json.loads((s / "meta.json").read_text()) for s in done]
+        self.skipped = [s for m in metas for s in m.get("skipped", [])]
+        self.shards = [s for s, m in zip(done, metas, strict=True) if m["samples"]]
+        self.metas = [m for m in metas if m["samples"]]
         if not self.shards:
             raise FileNotFoundError(
-                f"no finished shards under {self.dir}; run `python -m train collect` first"
+                f"no finished shards with samples under {self.dir}; run `python -m train collect` first"
             )
-        self.metas = [json.loads((s / "meta.json").read_text()) for s in self.shards]
         self.model = self.metas[0]["model"]
 
     @property
@@ -95,6 +101,7 @@ class TraceSplit:
             for i, info in enumerate(meta["samples"]):
                 a, b = offsets[i], offsets[i + 1]
                 scores = {n.split(".", 1)[1]: t[:, a:b] for n, t in tensors.items() if n.startswith("score.")}
+                value_importance = tensors.get("value_importance")
                 out.append(
                     LayerSample(
                         tensors["keys"][:, a:b],
@@ -103,6 +110,7 @@ class TraceSplit:
                         scores,
                         info["uid"],
                         info["source"],
+                        None if value_importance is None else value_importance[:, a:b],
                     )
                 )
         return out
