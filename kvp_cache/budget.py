@@ -1,4 +1,4 @@
-"""Budgets: how many cache entries each KV head keeps after prefill."""
+"""Budgets and schedules: how many cache entries each KV head keeps, and when it evicts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import numbers
 import torch
 
 Budget = float | int
+
+COMPRESS_SCHEDULES = ("every_prefill", "first_prefill")
+"""``KVPCache(compress=...)``: evict after every multi-token forward, or after the first one only."""
 
 
 def validate_budget(budget: object) -> Budget:
@@ -28,6 +31,41 @@ def validate_budget(budget: object) -> Budget:
     if not math.isfinite(budget) or not 0.0 < budget <= 1.0:
         raise ValueError(f"budget as a float is a fraction and must be in (0, 1], got {budget}")
     return float(budget)
+
+
+def validate_count(name: str, value: object, minimum: int) -> int:
+    """``value`` if it is an int >= ``minimum``, else a ``ValueError`` naming ``name`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def validate_schedule(
+    compress: object,
+    max_cache_tokens: object,
+    evict_every: object,
+    sink_tokens: int,
+    window_tokens: int,
+    method: str,
+    scores_decoded_tokens: bool,
+) -> None:
+    """Check ``KVPCache``'s schedule arguments; errors name the parameter and the allowed values."""
+    if compress not in COMPRESS_SCHEDULES:
+        raise ValueError(f"compress must be one of {COMPRESS_SCHEDULES}, got {compress!r}")
+    validate_count("evict_every", evict_every, 1)
+    if max_cache_tokens is None:
+        return
+    protected = sink_tokens + window_tokens
+    validate_count(
+        f"max_cache_tokens (at least sink_tokens + window_tokens = {sink_tokens} + {window_tokens})",
+        max_cache_tokens,
+        max(protected, 1),
+    )
+    if not scores_decoded_tokens:
+        raise ValueError(
+            f"max_cache_tokens needs a method that can rank decoded tokens; method {method!r} cannot "
+            "(see its docstring). Use another method, or max_cache_tokens=None."
+        )
 
 
 def parse_budget(text: str) -> Budget:

@@ -1,9 +1,15 @@
-"""KVPCache: a transformers ``Cache`` that evicts per KV head after every multi-token forward.
+"""KVPCache: a transformers ``Cache`` that evicts per KV head, on one of two schedules.
 
-Rule: a forward that brings more than one new token (the prefill, a chunk of a chunked prefill,
-a new turn of a conversation) ends with every evicting layer holding only its budget; a
-single-token forward (decoding) appends. The forward itself always attends to the full states,
-so the prefill logits are exact.
+- ``compress="every_prefill"`` (default): every forward with more than one new token (the
+  prefill, a chunk of a chunked prefill, a new turn) ends with each evicting layer holding its
+  budget; single-token forwards (decoding) append.
+- ``compress="first_prefill"``: only the first multi-token forward evicts; every later forward
+  (questions asked about a compressed document, later turns, decoding) appends and is kept whole.
+
+Either can be bounded with ``max_cache_tokens=N``: whenever a layer holds more than
+``N + evict_every`` entries per head at the end of a forward, it is trimmed back to ``N``, ranked
+by the same scorer over all its entries. A forward always attends to the states from before its
+own eviction, so the logits of the forward that evicts are exact.
 
 Semantics follow ``DynamicSlidingWindowLayer``: ``get_seq_length()`` is the logical number of
 tokens seen and ``get_mask_sizes()`` offsets the mask by the evicted count. A direct forward takes
@@ -18,15 +24,22 @@ the cache needs from the model (padding, queries, the mask rewrite) comes throug
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from kvp_cache.budget import Budget, kept_per_row, protect_sinks_and_window, validate_budget
-from kvp_cache.compat import check_decoder_config, text_config
+from kvp_cache.budget import (
+    Budget,
+    kept_per_row,
+    protect_sinks_and_window,
+    validate_budget,
+    validate_count,
+    validate_schedule,
+)
+from kvp_cache.capture import append_queries, drop_last_queries, map_query_batch
+from kvp_cache.compat import attention_shape, check_decoder_config, text_config
 from kvp_cache.hooks import ForwardContext, ModelHooks
 from kvp_cache.prefill import Prefill
 from kvp_cache.scorers import QueryStates, Scorer, make_scorer
@@ -46,18 +59,26 @@ class EvictionSettings:
     window_tokens: int
     num_kv_heads: int
     head_dim: int
+    compress: str = "every_prefill"
+    max_cache_tokens: int | None = None
+    evict_every: int = 64
     track_positions: bool = False
     built_from_model: bool = False
 
 
 class EvictingLayer(DynamicLayer):
-    """A full-attention layer that keeps the top-``budget`` entries of each KV head.
+    """A full-attention layer that keeps the top entries of each KV head.
 
-    Besides ``keys``/``values`` (``[batch, kv_heads, slots, head_dim]``) it keeps ``valid``
+    Per row it keeps ``keys``/``values`` (``[batch, kv_heads, slots, head_dim]``), ``valid``
     (``[batch, slots]``, False where a slot holds padding) and ``seen_real`` (``[batch]``, real
-    tokens seen by each row), and optionally ``positions`` (``[batch, kv_heads, slots]`` logical
-    positions, with ``track_positions=True``).
+    tokens seen). Optionally: ``scores`` (``[batch, kv_heads, slots]``, for scorers with
+    ``per_token = True``: each token is scored once, when it enters, and the score is kept),
+    ``positions`` (``[batch, kv_heads, slots]`` logical positions, with ``track_positions=True``)
+    and ``recent_queries`` (the queries captured since the last eviction, for query-aware scorers).
     """
+
+    BATCH_FIELDS = ("keys", "values", "valid", "seen_real", "scores", "positions")
+    """The per-row tensors: every batch operation (beams, stacking) must apply to all of them."""
 
     is_sliding = False
 
@@ -72,27 +93,32 @@ class EvictingLayer(DynamicLayer):
         self.cumulative_length = 0
         self.valid: torch.Tensor | None = None
         self.seen_real: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.recent_queries: QueryStates | None = None
         self.appended_since_eviction = 0
+        self.compressed = False  # the prefill eviction of compress="first_prefill" has happened
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         self.device = key_states.device
         self.dtype = key_states.dtype
-        self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
-        self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
-        b = key_states.shape[0]
+        b, h = key_states.shape[:2]
+        self.keys = key_states.new_empty((b, h, 0, key_states.shape[-1]))
+        self.values = value_states.new_empty((b, h, 0, value_states.shape[-1]))
         self.valid = torch.ones(b, 0, dtype=torch.bool, device=self.device)
         self.seen_real = torch.zeros(b, dtype=torch.long, device=self.device)
+        if self.settings.scorer.per_token:
+            self.scores = torch.zeros(b, h, 0, device=self.device)
         if self.settings.track_positions:
-            self.positions = torch.zeros((*key_states.shape[:2], 0), dtype=torch.long, device=self.device)
+            self.positions = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new states (``[batch, kv_heads, q, head_dim]``) and return the whole layer.
 
         The forward attends to what this returns: the states from BEFORE eviction, so the
-        forward that evicts (the prefill) is exact. Eviction happens after the append, when
-        ``q > 1``, and only the next forward sees the kept entries.
+        forward that evicts (say, the prefill) is exact. Eviction, when the schedule calls for
+        it, happens after the append, and only the next forward sees the kept entries.
         """
         s, context = self.settings, self.context
         if s.built_from_model and not context.in_forward:
@@ -107,31 +133,8 @@ class EvictingLayer(DynamicLayer):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = self._append(key_states, value_states, context.new_tokens_real)
-        if key_states.shape[-2] > 1:
-            self._evict(layer_queries=context.queries.pop(self.layer_idx, None))
-        return keys, values
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, new_real: torch.Tensor | None):
-        """Concatenate the new states and their metadata; return the full states."""
-        b, _, q, _ = key_states.shape
-        if new_real is None or new_real.shape != (b, q):
-            new_real = torch.ones(b, q, dtype=torch.bool, device=self.device)
-        new_real = new_real.to(self.device)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.valid = torch.cat([self.valid, new_real], dim=-1)
-        self.seen_real = self.seen_real + new_real.sum(-1)
-        if self.positions is not None:
-            new_positions = torch.arange(
-                self.cumulative_length, self.cumulative_length + q, device=self.device
-            )
-            self.positions = torch.cat(
-                [self.positions, new_positions.expand(b, self.keys.shape[1], q)], dim=-1
-            )
-        self.cumulative_length += q
-        self.appended_since_eviction += q
-        return self.keys, self.values
+        queries = context.queries.pop(self.layer_idx, None)
+        return self._ingest(key_states, value_states, context.new_tokens_real, queries)
 
     def load_and_evict(
         self,
@@ -140,21 +143,82 @@ class EvictingLayer(DynamicLayer):
         attention_mask: torch.Tensor | None,
         queries: QueryStates | None,
     ) -> None:
-        """Take over uncompressed prompt states (``[batch, kv_heads, seq, head_dim]``) and evict."""
+        """Take over uncompressed prompt states (``[batch, kv_heads, seq, head_dim]``) as if they
+        came from one prefill forward: append, then evict on the cache's schedule."""
         self.reset()
         self.lazy_initialization(keys, values)
-        self._append(keys, values, attention_mask.bool() if attention_mask is not None else None)
-        self._evict(layer_queries=queries)
+        self._ingest(keys, values, attention_mask.bool() if attention_mask is not None else None, queries)
 
-    def _evict(self, layer_queries: QueryStates | None) -> None:
+    def _ingest(self, key_states, value_states, new_real: torch.Tensor | None, queries):
+        """Append one forward's states and metadata, then evict if the schedule says so.
+
+        Returns the full states from before the eviction: ``[batch, kv_heads, slots + q, head_dim]``.
+        """
+        if queries is not None:
+            window = self.settings.scorer.query_window
+            self.recent_queries = append_queries(self.recent_queries, queries, window)
+        keys, values = self._append(key_states, value_states, new_real)
+        kept = self._kept_after(key_states.shape[-2])
+        if kept is not None:
+            self._evict(kept)
+        return keys, values
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, new_real: torch.Tensor | None):
+        """Concatenate the new states and their metadata (scores for ``per_token`` scorers)."""
+        b, h, q, _ = key_states.shape
+        if new_real is None or new_real.shape != (b, q):
+            new_real = torch.ones(b, q, dtype=torch.bool, device=self.device)
+        new_real = new_real.to(self.device)
+        if self.scores is not None:
+            # Each token is scored once, as it enters, at its index among its row's real tokens.
+            positions = (self.seen_real[:, None] + new_real.long().cumsum(-1) - 1).masked_fill(~new_real, -1)
+            with torch.no_grad():
+                new_scores = self.settings.scorer.score(
+                    key_states, value_states, positions, None, self.layer_idx
+                )
+            self.scores = torch.cat([self.scores, new_scores.float()], dim=-1)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.valid = torch.cat([self.valid, new_real], dim=-1)
+        self.seen_real = self.seen_real + new_real.sum(-1)
+        if self.positions is not None:
+            new_positions = torch.arange(
+                self.cumulative_length, self.cumulative_length + q, device=self.device
+            )
+            self.positions = torch.cat([self.positions, new_positions.expand(b, h, q)], dim=-1)
+        self.cumulative_length += q
+        self.appended_since_eviction += q
+        return self.keys, self.values
+
+    def prefill_evicts(self, q: int) -> bool:
+        """Whether a forward of ``q`` new tokens ends with the budget eviction of the schedule."""
+        return q > 1 and (self.settings.compress == "every_prefill" or not self.compressed)
+
+    def _kept_after(self, q: int) -> torch.Tensor | None:
+        """Entries each row keeps after a forward of ``q`` tokens (``[batch]``), None if no eviction is due."""
+        s = self.settings
+        real_in_cache = self.valid.sum(-1)
+        kept = None
+        if self.prefill_evicts(q):
+            self.compressed = True
+            if isinstance(s.budget, float):
+                kept = torch.minimum(kept_per_row(s.budget, self.seen_real), real_in_cache)
+            else:
+                kept = kept_per_row(s.budget, real_in_cache)
+        if s.max_cache_tokens is not None:
+            # Per row, so each row of a padded batch is trimmed exactly when it would be alone.
+            held = kept if kept is not None else real_in_cache
+            over = held > s.max_cache_tokens + s.evict_every
+            if bool(over.any()):
+                kept = torch.where(over, held.clamp(max=s.max_cache_tokens), held)
+        return kept
+
+    def _evict(self, kept: torch.Tensor) -> None:
+        """Keep the top ``kept[row]`` entries of every head of each row, in their original order."""
         s = self.settings
         valid = self.valid
-        real_in_cache = valid.sum(-1)
-        if isinstance(s.budget, float):
-            kept = torch.minimum(kept_per_row(s.budget, self.seen_real), real_in_cache)
-        else:
-            kept = kept_per_row(s.budget, real_in_cache)
         slots = int(kept.max())
+        queries, self.recent_queries = self.recent_queries, drop_last_queries(self.recent_queries, None)
         self.appended_since_eviction = 0
         if slots == valid.shape[-1] and bool(valid.all()):
             return  # every row keeps everything: nothing to evict
@@ -163,22 +227,23 @@ class EvictingLayer(DynamicLayer):
                 "A padded batch with a fractional budget keeps different counts per row, which needs the "
                 "attention mask rewritten at every step: build the cache with KVPCache(model, ...)."
             )
-        positions = valid.long().cumsum(-1) - 1
-        positions = positions.masked_fill(~valid, -1)
+        positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
         with torch.no_grad():  # selection is not differentiable; don't build a graph for it
-            scores = s.scorer.score(
-                self.keys, self.values, positions, queries=layer_queries, layer_idx=self.layer_idx
-            )
+            if self.scores is not None:
+                scores = self.scores
+            else:
+                scores = s.scorer.score(self.keys, self.values, positions, queries, self.layer_idx).float()
             scores = protect_sinks_and_window(
-                scores.float(), positions, real_in_cache, kept, s.sink_tokens, s.window_tokens
+                scores, positions, valid.sum(-1), kept, s.sink_tokens, s.window_tokens
             )
             index = select_slots(scores, valid, kept, slots)
         gather = index[..., None].expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, gather)
         self.values = self.values.gather(2, gather)
         self.valid = torch.arange(slots, device=self.device)[None, :] >= (slots - kept)[:, None]
-        if self.positions is not None:
-            self.positions = self.positions.gather(2, index)
+        for name in ("scores", "positions"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).gather(2, index))
 
     def _padding_aligned(self, kept: torch.Tensor, slots: int) -> bool:
         """True if the invalid slots fall exactly on the zero columns of the caller's left-padded mask."""
@@ -204,27 +269,32 @@ class EvictingLayer(DynamicLayer):
         self._reset_state()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove tokens from the end; only tokens decoded since the last eviction can be removed."""
+        """Remove tokens from the end; only tokens appended since the last eviction can be removed."""
         n = self.cumulative_length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
         if n == 0 or not self.is_initialized:
             return
         if n > self.appended_since_eviction:
             raise ValueError(
-                f"crop: cannot remove {n} tokens, only the {self.appended_since_eviction} decoded since the last "
-                "eviction are still stored in order; evicted prompt tokens cannot be restored."
+                f"crop: cannot remove {n} tokens, only the {self.appended_since_eviction} appended since the "
+                "last eviction are still stored in order; evicted tokens cannot be restored."
             )
+        self.seen_real = self.seen_real - self.valid[:, -n:].sum(-1)
         self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
         self.valid = self.valid[:, :-n]
-        if self.positions is not None:
-            self.positions = self.positions[..., :-n]
+        for name in ("scores", "positions"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[..., :-n])
+        self.recent_queries = drop_last_queries(self.recent_queries, n)
         self.cumulative_length -= n
         self.appended_since_eviction -= n
 
     def _map_batch(self, fn) -> None:
-        for name in ("keys", "values", "valid", "seen_real", "positions"):
+        for name in self.BATCH_FIELDS:
             tensor = getattr(self, name)
             if tensor is not None:
                 setattr(self, name, fn(tensor))
+        if self.recent_queries is not None:
+            self.recent_queries = map_query_batch(self.recent_queries, fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -237,6 +307,18 @@ class EvictingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
             self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
+
+
+def cache_bytes(cache: Cache) -> int:
+    """Bytes of every per-row tensor of ``cache``'s layers (any transformers cache): keys, values and,
+    for evicting layers, their per-slot metadata (validity, stored scores, tracked positions)."""
+    total = 0
+    for layer in cache.layers:
+        for name in EvictingLayer.BATCH_FIELDS:
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def _build_scorer(method: str | Scorer, options: dict) -> Scorer:
@@ -282,8 +364,16 @@ class KVPCache(Cache):
         budget: float in (0, 1], the fraction of each row's tokens kept per head, or int >= 1,
             the number of tokens kept per head.
         sink_tokens, window_tokens: the first and last tokens always kept.
+        compress: ``"every_prefill"`` (every multi-token forward ends with eviction) or
+            ``"first_prefill"`` (only the first one does; later forwards append and are kept).
+        max_cache_tokens: None (decoding appends without limit) or an int >= sink_tokens +
+            window_tokens: a head holding more than ``max_cache_tokens + evict_every`` entries at
+            the end of a forward is trimmed back to ``max_cache_tokens``.
+        evict_every: int >= 1, the slack above ``max_cache_tokens`` (one eviction per
+            ``evict_every`` decoded tokens, not one per token).
         track_positions: also store each kept entry's logical position (for inspection and tests).
-        **method_options: the options of the method's dataclass (see its docstring).
+        **method_options: the options of the method's dataclass (see its docstring); for
+            ``method="kvp"``, ``policy=`` (shipped name, directory, Hub id or ``KVPolicy``).
     """
 
     def __init__(
@@ -293,6 +383,9 @@ class KVPCache(Cache):
         budget: Budget = 0.25,
         sink_tokens: int = 4,
         window_tokens: int = 16,
+        compress: str = "every_prefill",
+        max_cache_tokens: int | None = None,
+        evict_every: int = 64,
         track_positions: bool = False,
         **method_options,
     ):
@@ -303,23 +396,34 @@ class KVPCache(Cache):
             )
         config = text_config(model.config if model is not None else model_or_config)
         check_decoder_config(config, model)
-        for name, value in (("sink_tokens", sink_tokens), ("window_tokens", window_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        sink_tokens = validate_count("sink_tokens", sink_tokens, 0)
+        window_tokens = validate_count("window_tokens", window_tokens, 0)
         scorer = _build_scorer(method, method_options)
+        validate_schedule(
+            compress,
+            max_cache_tokens,
+            evict_every,
+            sink_tokens,
+            window_tokens,
+            scorer.name,
+            scorer.scores_decoded_tokens,
+        )
         scorer.check_model(config)
         if scorer.needs_queries and model is None:
             raise ValueError(
                 f"method '{scorer.name}' needs the prefill queries: build the cache with KVPCache(model, ...), not a config"
             )
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = attention_shape(config)
         self.settings = EvictionSettings(
             scorer=scorer,
             budget=validate_budget(budget),
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            head_dim=head_dim,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            compress=compress,
+            max_cache_tokens=max_cache_tokens,
+            evict_every=evict_every,
             track_positions=track_positions,
             built_from_model=model is not None,
         )
@@ -344,12 +448,13 @@ class KVPCache(Cache):
         check_base_model: bool = True,
         **options,
     ) -> KVPCache:
-        """A cache driven by a learned KVP policy.
+        """A cache driven by a learned KVP policy: ``KVPCache(model, method="kvp", policy=policy, ...)``.
 
         ``policy`` is a :class:`~kvp_cache.policy.KVPolicy`, the name of a policy shipped in the
         package (see ``kvp_cache.policy.shipped_policies()``), a local directory, or a Hub repo id.
         The policy must match ``model``'s layers, KV heads and head_dim; ``check_base_model=False``
-        also accepts a policy trained on another checkpoint of the same architecture.
+        also accepts a policy trained on another checkpoint of the same architecture. ``options``
+        are the other arguments of ``KVPCache`` (``compress``, ``max_cache_tokens``, ...).
         """
         return cls(
             model,
@@ -364,33 +469,32 @@ class KVPCache(Cache):
 
     @classmethod
     def from_prefill(
-        cls, prefilled: Prefill, model: PreTrainedModel, method: str = "knorm", policy=None, **options
+        cls,
+        prefilled: Prefill,
+        model: PreTrainedModel,
+        method: str | Scorer = "knorm",
+        policy=None,
+        **options,
     ) -> KVPCache:
         """An already-compressed cache built from a :func:`kvp_cache.prefill.prefill` result.
 
         The prefill is left untouched, so one prefill serves any number of (method, budget)
-        pairs; ``options`` are those of ``KVPCache`` (budget, sink_tokens, ..., method options).
-        With ``policy`` the method is the learned one, as in :meth:`from_pretrained`.
+        pairs; ``options`` are those of ``KVPCache`` (budget, sink_tokens, compress, ..., method
+        options). The prompt counts as the cache's first prefill. With ``policy`` the method is
+        the learned one, as in :meth:`from_pretrained`.
         """
         if policy is not None:
             cache = cls.from_pretrained(policy, model=model, **options)
         else:
             cache = cls(model, method=method, **options)
-        mask = prefilled.attention_mask
         for i, source in enumerate(prefilled.cache.layers):
             target = cache.layers[i]
-            if not isinstance(target, EvictingLayer):
-                cache.layers[i] = copy.deepcopy(source)
-                continue
-            queries = prefilled.queries.get(i)
-            window = cache.settings.scorer.query_window
-            if queries is not None and window is not None and window > 0:
-                queries = dataclasses.replace(
-                    queries,
-                    queries=queries.queries[..., -window:, :],
-                    pre_rope_queries=queries.pre_rope_queries[..., -window:, :],
+            if isinstance(target, EvictingLayer):
+                target.load_and_evict(
+                    source.keys, source.values, prefilled.attention_mask, prefilled.queries.get(i)
                 )
-            target.load_and_evict(source.keys, source.values, mask, queries)
+            else:
+                cache.layers[i] = copy.deepcopy(source)
         return cache
 
     @property
@@ -408,15 +512,16 @@ class KVPCache(Cache):
             return
         self.context.new_tokens_real = attention_mask.bool()
 
+    def captures_queries(self, q: int) -> bool:
+        """Whether the hooks capture the queries of the next forward (``q`` new tokens): when it
+        will end with the schedule's eviction, and on every forward under ``max_cache_tokens``,
+        so a decoding eviction sees the queries since the last one."""
+        layers = self.evicting_layers
+        return bool(layers) and (self.settings.max_cache_tokens is not None or layers[0].prefill_evicts(q))
+
     def kv_bytes(self) -> int:
         """Bytes held by the cache: keys, values and per-slot metadata of every layer."""
-        total = 0
-        for layer in self.layers:
-            for name in ("keys", "values", "valid", "seen_real", "positions"):
-                tensor = getattr(layer, name, None)
-                if isinstance(tensor, torch.Tensor):
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        return cache_bytes(self)
 
     def reset(self) -> None:
         super().reset()
@@ -438,5 +543,6 @@ class KVPCache(Cache):
         s = self.settings
         return (
             f"KVPCache(method={self.method!r}, budget={s.budget}, sink_tokens={s.sink_tokens}, "
-            f"window_tokens={s.window_tokens}, evicting_layers={len(self.evicting_layers)}/{len(self.layers)})"
+            f"window_tokens={s.window_tokens}, compress={s.compress!r}, max_cache_tokens={s.max_cache_tokens}, "
+            f"evict_every={s.evict_every}, evicting_layers={len(self.evicting_layers)}/{len(self.layers)})"
         )

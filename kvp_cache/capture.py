@@ -5,11 +5,14 @@ queries of the prompt, so while a multi-token forward runs, a pre-hook on each e
 attention module recomputes them from the module's input: ``q_proj`` (plus ``q_norm`` where the
 model has one), then RoPE with the position embeddings the layer received. Only the last
 ``window`` queries are computed, and the hooks exist only for the duration of that forward.
+:class:`kvp_cache.hooks.ModelHooks` decides which forwards are captured.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -51,8 +54,7 @@ class QueryCapture:
         def hook(module, args, kwargs):
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-            if hidden.shape[1] > 1:
-                store[module.layer_idx] = queries_of(module, hidden, cos, sin, window)
+            store[module.layer_idx] = queries_of(module, hidden, cos, sin, window)
 
         return hook
 
@@ -85,4 +87,46 @@ def queries_of(
         last_cos=cos[:, -1].float(),
         last_sin=sin[:, -1].float(),
         scaling=module.scaling,
+    )
+
+
+def append_queries(old: QueryStates | None, new: QueryStates, window: int | None) -> QueryStates:
+    """``old``'s queries followed by ``new``'s, the last ``window`` of them (all when ``window < 0``).
+
+    A one-token capture cannot measure RoPE's angle step per position, so it keeps ``old``'s.
+    """
+    if old is not None:
+        new = replace(
+            new,
+            queries=torch.cat([old.queries, new.queries], dim=-2),
+            pre_rope_queries=torch.cat([old.pre_rope_queries, new.pre_rope_queries], dim=-2),
+            rope_step=old.rope_step if new.queries.shape[-2] == 1 else new.rope_step,
+        )
+    if window is not None and window > 0:
+        new = replace(
+            new,
+            queries=new.queries[..., -window:, :],
+            pre_rope_queries=new.pre_rope_queries[..., -window:, :],
+        )
+    return new
+
+
+def drop_last_queries(states: QueryStates | None, n: int | None) -> QueryStates | None:
+    """``states`` without its last ``n`` queries (all of them when ``n`` is None), RoPE data kept."""
+    if states is None:
+        return None
+    keep = 0 if n is None else max(states.queries.shape[-2] - n, 0)
+    return replace(
+        states, queries=states.queries[..., :keep, :], pre_rope_queries=states.pre_rope_queries[..., :keep, :]
+    )
+
+
+def map_query_batch(states: QueryStates, fn: Callable[[torch.Tensor], torch.Tensor]) -> QueryStates:
+    """Apply a batch operation (beam reorder, repeat, select) to every per-row tensor of ``states``."""
+    return replace(
+        states,
+        queries=fn(states.queries),
+        pre_rope_queries=fn(states.pre_rope_queries),
+        last_cos=fn(states.last_cos),
+        last_sin=fn(states.last_sin),
     )

@@ -78,7 +78,7 @@ class ModelHooks:
         q = tokens.shape[1]
         mask = kwargs.get("attention_mask")
         cache.set_attention_mask(mask[:, -q:] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
-        if self.capture is not None and q > 1:
+        if self.capture is not None and cache.captures_queries(q):
             self.capture.attach(context.queries)
         kwargs["attention_mask"] = mask_invalid_slots(cache, mask, tokens)
         return args, kwargs

@@ -47,6 +47,39 @@ class ForwardRecorder:
         self._handle.remove()
 
 
+ATOL = 2e-4
+
+
+def ids(batch=1, length=48, seed=0, vocab=256):
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def greedy(model, input_ids, cache, max_new_tokens=6, **kwargs):
+    out = model.generate(
+        input_ids,
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.logits, dim=1).float()
+
+
+def check_generate_against_reference(model, prompt, cache, attention_mask=None, max_new_tokens=6):
+    recorder = ForwardRecorder(model, cache)
+    sequences, logits = greedy(model, prompt, cache, max_new_tokens, attention_mask=attention_mask)
+    recorder.remove()
+    mask = None
+    if attention_mask is not None:
+        mask = torch.cat([attention_mask, torch.ones_like(sequences[:, prompt.shape[1] :])], dim=-1)
+    ref = reference_logits(model, sequences, recorder.snapshots, mask)
+    steps = ref[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + logits.shape[1]]
+    torch.testing.assert_close(logits, steps, atol=ATOL, rtol=1e-4)
+    return sequences
+
+
 _CONTEXT: dict = {}
 
 

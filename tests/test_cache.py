@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_model
-from reference import ForwardRecorder, reference_logits
+from reference import ATOL, ForwardRecorder, check_generate_against_reference, greedy, ids, reference_logits
 from transformers import DynamicCache
 
 from kvp_cache import KVPCache, available_methods
@@ -17,43 +17,12 @@ from kvp_cache.scorers import SCORERS, Scorer, methods
 KV_ONLY = ["knorm", "keydiff", "streaming_llm", "random", "lagkv"]
 QUERY_AWARE = ["tova", "snapkv", "h2o", "expected_attention"]
 SMALL_OPTIONS = {"lagkv": {"lag_size": 8}, "snapkv": {"window_size": 8}}
-ATOL = 2e-4
 
 
 def make_cache(model, method="knorm", budget=20, **kwargs):
     return KVPCache(
         model, method=method, budget=budget, track_positions=True, **SMALL_OPTIONS.get(method, {}), **kwargs
     )
-
-
-def ids(batch=1, length=48, seed=0, vocab=256):
-    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def greedy(model, input_ids, cache, max_new_tokens=6, **kwargs):
-    out = model.generate(
-        input_ids,
-        past_key_values=cache,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        **kwargs,
-    )
-    return out.sequences, torch.stack(out.logits, dim=1).float()
-
-
-def check_generate_against_reference(model, prompt, cache, attention_mask=None, max_new_tokens=6):
-    recorder = ForwardRecorder(model, cache)
-    sequences, logits = greedy(model, prompt, cache, max_new_tokens, attention_mask=attention_mask)
-    recorder.remove()
-    mask = None
-    if attention_mask is not None:
-        mask = torch.cat([attention_mask, torch.ones_like(sequences[:, prompt.shape[1] :])], dim=-1)
-    ref = reference_logits(model, sequences, recorder.snapshots, mask)
-    steps = ref[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + logits.shape[1]]
-    torch.testing.assert_close(logits, steps, atol=ATOL, rtol=1e-4)
-    return sequences
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))

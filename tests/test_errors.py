@@ -103,3 +103,34 @@ def test_unsupported_transformers_version():
     with pytest.raises(ImportError, match="supports transformers"):
         check_transformers_version("6.0.0")
     check_transformers_version("5.24.0")
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"compress": "every_forward"}, r"compress must be one of \('every_prefill', 'first_prefill'\)"),
+        ({"compress": None}, "compress must be one of"),
+        ({"evict_every": 0}, r"evict_every must be an int >= 1, got 0"),
+        ({"evict_every": 2.5}, r"evict_every must be an int >= 1"),
+        ({"evict_every": True}, r"evict_every must be an int >= 1"),
+        (
+            {"max_cache_tokens": 19},
+            r"max_cache_tokens \(at least sink_tokens \+ window_tokens = 4 \+ 16\).*>= 20, got 19",
+        ),
+        ({"max_cache_tokens": 0, "sink_tokens": 0, "window_tokens": 0}, r"max_cache_tokens .*>= 1, got 0"),
+        ({"max_cache_tokens": "512"}, r"max_cache_tokens .*must be an int"),
+        (
+            {"max_cache_tokens": 64, "method": "lagkv"},
+            r"max_cache_tokens needs a method that can rank decoded.*'lagkv'",
+        ),
+    ],
+)
+def test_bad_schedules(options, match):
+    with pytest.raises(ValueError, match=match):
+        KVPCache(tiny_model("llama"), **options)
+
+
+def test_good_schedules():
+    model = tiny_model("llama")
+    KVPCache(model, compress="first_prefill", max_cache_tokens=20, evict_every=1)
+    KVPCache(model, method="lagkv", compress="first_prefill")

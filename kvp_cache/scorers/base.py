@@ -43,13 +43,19 @@ class Scorer:
       inside ``Cache.update`` from the cached states alone;
     - ``query_window`` (query-aware methods): how many of a forward's last queries the capture
       keeps, ``n > 0`` or ``-1`` for all of them;
-    - ``learned``: True for trained policies (``kvp``).
+    - ``learned``: True for trained policies (``kvp``);
+    - ``per_token``: a token's score depends on its own key, value and position only, so the
+      cache scores each token once, when it enters, and keeps the score (decoding never rescores);
+    - ``scores_decoded_tokens``: the method can rank a cache that holds decoded tokens and
+      earlier evictions' survivors, so it works with ``max_cache_tokens``.
     """
 
     name: ClassVar[str] = ""
     needs_queries: ClassVar[bool] = False
     query_window: ClassVar[int | None] = None
     learned: ClassVar[bool] = False
+    per_token: ClassVar[bool] = False
+    scores_decoded_tokens: ClassVar[bool] = True
 
     def score(
         self,

@@ -17,6 +17,10 @@ class ExpectedAttentionScorer(Scorer):
     averaged over the next ``n_future_positions`` positions, which gives
     ``E[exp(q.k * s)] = exp(mu.k * s + s^2 k^T Sigma k / 2)``. The softmax of that over the keys is
     averaged over the GQA group, multiplied by ``||v||`` (``use_vnorm``) and offset by ``epsilon``.
+
+    Queries seen: the Gaussian is fitted to every query of the evicting forward (the whole prompt
+    at the prefill eviction); while decoding with ``max_cache_tokens``, to the queries of the
+    tokens appended since the previous eviction.
     """
 
     name = "expected_attention"

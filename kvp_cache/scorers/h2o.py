@@ -16,6 +16,10 @@ class H2OScorer(Scorer):
     accumulated, ``chunk_size`` queries at a time so no ``seq x seq`` matrix exists for all heads
     at once, and averaged over the GQA group. ``normalize`` divides by the number of queries that
     could see each key (kvpress's ``ObservedAttentionPress``), removing the bias toward early tokens.
+
+    Queries seen: every query of the evicting forward (the whole prompt at the prefill eviction);
+    while decoding with ``max_cache_tokens``, the queries of the tokens appended since the
+    previous eviction. Attention is not accumulated across evictions.
     """
 
     name = "h2o"

@@ -21,10 +21,14 @@ class KVPScorer(Scorer):
     weights stay float32; keys and values are cast to them. Each layer's agents move to the
     device of that layer's keys on first use, so a model split over devices keeps each layer's
     agents next to its cache.
+
+    Each token is scored once, when it enters the cache, at its index among its row's real
+    tokens (``per_token``); the cache keeps the scores, so decoding never rescores old tokens.
     """
 
     name = "kvp"
     learned = True
+    per_token = True
     policy: KVPolicy | str | Path | None = None
     check_base_model: bool = True
 

@@ -16,9 +16,13 @@ class LagKVScorer(Scorer):
     Important" (arXiv 2504.04704), as in kvpress's ``LagKVPress``. Per KV head; no queries. Each
     row is scored over its own real tokens, so padding does not shift the partitions. The last
     partition has no lagged reference and is kept (scored highest), as are the first ``n_sink``.
+
+    Not usable with ``max_cache_tokens``: each partition is normalized by the next contiguous
+    one, and after an eviction the cache no longer holds contiguous partitions.
     """
 
     name = "lagkv"
+    scores_decoded_tokens = False
     n_sink: int = 4
     lag_size: int = 128
 

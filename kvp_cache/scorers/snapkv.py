@@ -16,6 +16,11 @@ class SnapKVScorer(Scorer):
     (arXiv 2404.14469). The window's attention is averaged over its queries, smoothed with an
     average pool of ``kernel_size``, and averaged over the GQA group (as kvpress does, after
     FasterDecoding/SnapKV#22). The window itself is always kept.
+
+    Queries seen: the last ``window_size`` queries of the evicting forward (the prompt's, at the
+    prefill eviction); while decoding with ``max_cache_tokens``, those of the tokens appended
+    since the previous eviction, at most ``window_size`` of them (``evict_every + 1`` with
+    ``evict_every < window_size``).
     """
 
     name = "snapkv"

@@ -14,6 +14,10 @@ class TOVAScorer(Scorer):
     Oren et al., "Transformers are Multi-State RNNs" (TOVA), EMNLP 2024 (arXiv 2401.06104). As in
     the paper and kvpress, the attention is averaged over all query heads, so every KV head of a
     layer keeps the same tokens.
+
+    Queries seen: the prompt's last query at the prefill eviction; while decoding with
+    ``max_cache_tokens``, the query of the token whose forward triggers the eviction (TOVA's own
+    decoding rule, applied once per ``evict_every`` tokens).
     """
 
     name = "tova"
