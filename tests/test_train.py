@@ -12,7 +12,8 @@ import torch
 from conftest import tiny_model  # noqa: F401  (the llama fixture builds on it)
 
 from kvp_cache.policy import HeadAgents, load_policy
-from train import collect, data, evaluate, reward, rl
+from train import collect, data, evaluate, fit, reward, rl
+from train.batch import Batch
 from train.traces import TraceSplit, shard_dir, write_shard
 
 PROMPT, FUTURE = 40, 6
@@ -300,7 +301,7 @@ def synthetic_traces(root, n_train=24, n_val=8, heads=2, tokens=48, dim=8):
 
 def test_fit_improves_validation_reward_and_resumes(tmp_path):
     synthetic_traces(tmp_path / "traces")
-    config = rl.FitConfig(
+    config = fit.FitConfig(
         traces=str(tmp_path / "traces"),
         out=str(tmp_path / "run"),
         steps=60,
@@ -312,7 +313,7 @@ def test_fit_improves_validation_reward_and_resumes(tmp_path):
         pos_dim=4,
         max_positions=64,
     )
-    policy_dir = rl.fit(config)
+    policy_dir = fit.fit(config)
     for layer in range(2):
         history = json.loads((tmp_path / "run" / "layers" / f"layer_{layer:02d}.json").read_text())
         assert history["best_val_reward"] > history["initial_val_reward"] + 0.05
@@ -320,7 +321,7 @@ def test_fit_improves_validation_reward_and_resumes(tmp_path):
     policy = load_policy(policy_dir)
     assert policy.training_info["steps"] == 60 and policy.hidden_dim == 16
     stamp = (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns
-    rl.fit(config)  # every layer done: nothing retrains
+    fit.fit(config)  # every layer done: nothing retrains
     assert (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns == stamp
 
 
@@ -328,32 +329,32 @@ def test_fit_improves_validation_reward_and_resumes(tmp_path):
 def test_supervised_objectives_learn(objective):
     torch.manual_seed(0)
     keys = torch.randn(8, 2, 40, 8)
-    batch = {
-        "keys": keys,
-        "values": torch.randn(8, 2, 40, 8),
-        "importance": torch.exp(3 * keys[..., 0]),
-        "positions": torch.arange(40).expand(8, 40),
-        "valid": torch.ones(8, 40, dtype=torch.bool),
-    }
+    batch = Batch(
+        keys=keys,
+        values=torch.randn(8, 2, 40, 8),
+        importance=torch.exp(3 * keys[..., 0]),
+        positions=torch.arange(40).expand(8, 40),
+        valid=torch.ones(8, 40, dtype=torch.bool),
+    )
     agents = HeadAgents(2, 8, 16, 4, 64, 2, "clamp")
-    config = rl.FitConfig(
+    config = fit.FitConfig(
         "", "", objective=objective, steps=60, warmup=2, lr=1e-2, eval_every=10, ema_decay=0.9
     )
-    before, _ = rl.validation_reward(agents, [batch])
+    before, _ = fit.validation_reward(agents, [batch])
     from train.traces import LayerSample
 
     samples = [
-        LayerSample(keys[i], batch["values"][i], batch["importance"][i], {}, f"s/{i}", "synthetic")
+        LayerSample(keys[i], batch.values[i], batch.importance[i], {}, f"s/{i}", "synthetic")
         for i in range(8)
     ]
-    history = rl.fit_layer(agents, samples, samples, config)
+    history = fit.fit_layer(agents, samples, samples, config)
     assert history["best_val_reward"] > before
 
 
 def test_evaluate_writes_table_json_png(traces, tmp_path, llama):
     root, _ = traces
-    policy = rl.new_policy(
-        TraceSplit(root, "val").model, rl.FitConfig("", "", hidden_dim=8, max_positions=32)
+    policy = fit.new_policy(
+        TraceSplit(root, "val").model, fit.FitConfig("", "", hidden_dim=8, max_positions=32)
     )
     policy.save_pretrained(tmp_path / "policy")
     args = [

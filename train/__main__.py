@@ -10,13 +10,13 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> None:
-    from train import collect, evaluate, push, reproduce, rl
+    from train import collect, evaluate, fit, push, reproduce
 
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module, help_text in [
         ("collect", collect, "run a model over prompts and store K/V + future-attention importance"),
-        ("fit", rl, "train a KVPolicy on collected traces (RL or a supervised ablation)"),
+        ("fit", fit, "train a KVPolicy on collected traces (RL or a supervised objective)"),
         ("evaluate", evaluate, "eviction-cost curves of a policy and every baseline on held-out traces"),
         ("push", push, "publish a trained policy directory to the Hugging Face Hub"),
         ("reproduce", reproduce, "collect + fit + evaluate the shipped SmolLM2 default from nothing"),

@@ -23,6 +23,7 @@ import contextlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -145,11 +146,17 @@ class InputCapture:
 
 @torch.no_grad()
 def greedy_continue(
-    model, cache, logits: torch.Tensor, question_ids: list[int], max_new_tokens: int
+    model,
+    cache,
+    logits: torch.Tensor,
+    question_ids: list[int],
+    max_new_tokens: int,
+    done: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """The model's greedy answer after the cached prompt (then ``question_ids``); stops at EOS, kept.
+    """The model's greedy answer after the cached prompt (then ``question_ids``).
 
-    logits: ``[vocab]`` of the prompt's last position. The cache grows; the caller crops it.
+    logits: ``[vocab]`` of the prompt's last position. Stops at EOS (kept), after
+    ``max_new_tokens``, or as soon as ``done(tokens)`` holds. The cache grows; the caller crops it.
     """
     keyword = cache_kwarg(model)
     if question_ids:
@@ -162,7 +169,7 @@ def greedy_continue(
     tokens: list[int] = []
     while True:
         tokens.append(int(logits.argmax()))
-        if tokens[-1] in eos or len(tokens) == max_new_tokens:
+        if tokens[-1] in eos or len(tokens) == max_new_tokens or (done is not None and done(tokens)):
             return tokens
         out = model(
             input_ids=torch.tensor([tokens[-1:]]), use_cache=True, logits_to_keep=1, **{keyword: cache}
@@ -203,14 +210,22 @@ def trace_example(
         )
     answer_ids, correct = None, None
     check = only_correct and example.sample is not None
+    if check and tokenizer is None:
+        raise ValueError("checking RULER answers (only_correct) needs the tokenizer")
+
+    def answered(ids: list[int]) -> bool:
+        return ruler.score(example.sample, tokenizer.decode(ids)) == 1.0
+
     if example.future_ids is None or check:
-        answer_ids = greedy_continue(model, cache, out.logits[0, -1], example.question_ids, max_new_tokens)
+        # A gold future needs only the verdict, so decoding stops once the answer is complete.
+        stop = answered if check and example.future_ids is not None else None
+        answer_ids = greedy_continue(
+            model, cache, out.logits[0, -1], example.question_ids, max_new_tokens, stop
+        )
         # A negative crop removes that many tokens in every supported transformers version.
         cache.crop(n - cache.get_seq_length())
         if check:
-            if tokenizer is None:
-                raise ValueError("checking RULER answers (only_correct) needs the tokenizer")
-            correct = ruler.score(example.sample, tokenizer.decode(answer_ids)) == 1.0
+            correct = answered(answer_ids)
             if not correct:
                 return Trace(None, 0, answer_ids, correct)
     future = example.question_ids + (example.future_ids if example.future_ids is not None else answer_ids)

@@ -18,18 +18,41 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from kvp_cache.policy import POSITION_STRATEGIES, KVPolicy, load_policy
-from kvp_cache.scorers import available_methods, make_scorer
+from kvp_cache.provenance import policy_record, provenance
+from kvp_cache.scorers import make_scorer
+from kvp_cache.scorers import methods as registry_methods
+from kvp_cache.tables import markdown_table
 from train import plots
 from train.reward import budget_grid, evicted_fraction, normalized_auc, oracle_evicted_fraction
 from train.traces import TraceSplit
 
 DEFAULT_BUDGETS = [0.05, 0.1, 0.25, 0.5]
+
+
+@dataclass
+class EvaluateConfig:
+    """Everything ``evaluate`` needs; the CLI flags map one to one.
+
+    policy: policy dirs, shipped names or ``name=path`` specs (a bare path is named ``kvp``).
+    """
+
+    traces: str
+    out: str
+    split: str = "val"
+    policy: list[str] = field(default_factory=list)
+    position_strategies: list[str] | None = None
+    budgets: list[float] = field(default_factory=lambda: list(DEFAULT_BUDGETS))
+    sinks: int = 4
+    window: int = 16
+    layers: list[int] | None = None
+    record: bool = False
 
 
 def method_scores(
@@ -61,7 +84,7 @@ def evaluate(
     data = TraceSplit(traces, split)
     info = data.model
     layers = layers if layers is not None else list(range(info["num_layers"]))
-    kv_methods = [m for m in available_methods() if m != "kvp" and not make_scorer(m).needs_queries]
+    kv_methods = registry_methods(query_aware=False, learned=False)
     grid = budget_grid(20)
     all_budgets = sorted(set(budgets) | set(grid))
     table_index = [all_budgets.index(b) for b in budgets]
@@ -115,16 +138,15 @@ def evaluate(
     }
 
 
-def markdown_table(result: dict, protected: bool = True) -> str:
+def cost_table(result: dict, protected: bool = True) -> str:
     """Methods as rows (best AUC first), budgets then AUC as columns."""
     cost, auc = ("cost", "auc") if protected else ("cost_unprotected", "auc_unprotected")
-    header = "| method | " + " | ".join(f"b={b:g}" for b in result["budgets"]) + " | AUC / oracle |"
-    rule = "|---|" + "---:|" * (len(result["budgets"]) + 1)
+    header = ["method", *(f"b={b:g}" for b in result["budgets"]), "AUC / oracle"]
     rows = [
-        f"| {name} | " + " | ".join(f"{v:.4f}" for v in m[cost]) + f" | {m[auc]:.3f} |"
+        [name, *(f"{v:.4f}" for v in m[cost]), f"{m[auc]:.3f}"]
         for name, m in sorted(result["methods"].items(), key=lambda item: item[1][auc])
     ]
-    return "\n".join([header, rule, *rows])
+    return markdown_table(header, rows)
 
 
 def card_evaluation(result: dict) -> dict:
@@ -154,33 +176,47 @@ def parse_policies(specs: list[str], strategies: list[str] | None = None) -> dic
     return out
 
 
-def evaluate_command(args: argparse.Namespace) -> dict:
-    policies = parse_policies(args.policy, args.position_strategies)
-    result = evaluate(args.traces, args.split, policies, args.budgets, args.sinks, args.window, args.layers)
-    out = Path(args.out)
+def run_evaluation(config: EvaluateConfig) -> dict:
+    """Evaluate, then write ``eviction_cost_<split>.{json,md,png}`` (the JSON opens with provenance)."""
+    policies = parse_policies(config.policy, config.position_strategies)
+    result = evaluate(
+        config.traces, config.split, policies, config.budgets, config.sinks, config.window, config.layers
+    )
+    first = next(iter(policies.values()), None)
+    result = {
+        "provenance": provenance(result["model"], "float16 traces", "cpu", policy=first),
+        "policies": {name: policy_record(policy) for name, policy in policies.items()},
+        **result,
+    }
+    out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"eviction_cost_{args.split}"
+    stem = out / f"eviction_cost_{config.split}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    table = markdown_table(result, protected=True)
-    unprotected = markdown_table(result, protected=False)
+    table = cost_table(result, protected=True)
+    unprotected = cost_table(result, protected=False)
     stem.with_suffix(".md").write_text(
-        f"Evicted share of future attention on {result['samples']} held-out traces ({args.split}), mean over "
-        f"{result['layers']} layers and every KV head; sinks {args.sinks} + window {args.window} kept.\n\n"
+        f"Evicted share of future attention on {result['samples']} held-out traces ({config.split}), mean over "
+        f"{result['layers']} layers and every KV head; sinks {config.sinks} + window {config.window} kept.\n\n"
         f"{table}\n\nWithout sink/window protection:\n\n{unprotected}\n"
     )
     grid_curves = {name: m["curve"] for name, m in result["methods"].items()}
     plots.cost_curves(
-        result["grid"], grid_curves, stem.with_suffix(".png"), f"{result['model']}: {args.split}"
+        result["grid"], grid_curves, stem.with_suffix(".png"), f"{result['model']}: {config.split}"
     )
     print(table)
-    if args.record:
-        for spec in args.policy:
+    if config.record:
+        for spec in config.policy:
             directory = spec.split("=")[-1]
             policy = load_policy(directory)
             policy.training_info = {**policy.training_info, "evaluation": card_evaluation(result)}
             policy.save_pretrained(directory)
             print(f"recorded the evaluation in {directory}/config.json and its card")
     return result
+
+
+def evaluate_command(args: argparse.Namespace) -> dict:
+    fields = set(EvaluateConfig.__dataclass_fields__)
+    return run_evaluation(EvaluateConfig(**{k: v for k, v in vars(args).items() if k in fields}))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,8 @@ import torch
 REWARD_FLOOR = -200.0
 
 
-def _normalized(importance: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def normalized(importance: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Importance ``[..., n]`` as a distribution over the valid tokens (negatives and padding count 0)."""
     c = importance.float().clamp_min(0.0)
     if valid is not None:
         c = c * valid
@@ -35,14 +36,14 @@ def ranking_cost(
     importance: ``[..., n]`` non-negative, in token order; valid: ``[..., n]`` bool (False on padding).
     Returns ``[...]`` float32 ``sum_i (i + 1) c_{ranking_i}`` with ``c`` normalized to sum 1.
     """
-    c = _normalized(importance, valid).gather(-1, ranking)
+    c = normalized(importance, valid).gather(-1, ranking)
     weights = torch.arange(1, c.shape[-1] + 1, device=c.device, dtype=c.dtype)
     return (c * weights).sum(-1)
 
 
 def oracle_cost(importance: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The minimum of :func:`ranking_cost`: tokens sorted by importance, descending. ``[...]``."""
-    c = _normalized(importance, valid).sort(dim=-1, descending=True).values
+    c = normalized(importance, valid).sort(dim=-1, descending=True).values
     weights = torch.arange(1, c.shape[-1] + 1, device=c.device, dtype=c.dtype)
     return (c * weights).sum(-1)
 
@@ -82,7 +83,7 @@ def evicted_fraction(
     from kvp_cache.budget import kept_per_row, protect_sinks_and_window
 
     heads, n = scores.shape
-    c = _normalized(importance, None)
+    c = normalized(importance, None)
     positions = torch.arange(n, device=scores.device)[None]
     real = torch.tensor([n], device=scores.device)
     out = []

@@ -1,8 +1,8 @@
-"""Supervised learning-to-rank baselines for the paper's RL-vs-supervised ablation.
+"""Supervised learning-to-rank objectives (ListNet, as shipped, and the paper's ablation baselines).
 
 Same agents, same features, same traces as the RL trainer; only the loss changes
-(``python -m train fit --objective <name>``). Each loss takes scores ``[batch, heads, n]`` (-inf on
-padding), importance ``[batch, heads, n]`` and valid ``[batch, n]``:
+(``python -m train fit --objective <name>``). Each loss takes scores ``[batch, heads, n]``,
+importance ``[batch, heads, n]`` and valid ``[batch, heads, n]``:
 
 - ``regression``: MSE between the score and the log of the normalized importance;
 - ``ranknet``: pairwise logistic loss on random token pairs (Burges et al. 2005);
@@ -13,22 +13,22 @@ padding), importance ``[batch, heads, n]`` and valid ``[batch, n]``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-LOSSES = ("regression", "ranknet", "listnet", "softsort")
+from kvp_cache.policy import HeadAgents
+from train.batch import Batch
+from train.reward import normalized
+
 PAIRS_PER_ROW = 4096
 SOFTSORT_TOKENS = 256
 SOFTSORT_TEMPERATURE = 0.1
 
 
-def _normalized(importance: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    c = importance.float().clamp_min(0) * valid
-    return c / c.sum(-1, keepdim=True).clamp_min(1e-30)
-
-
 def regression(scores, importance, valid, generator=None) -> torch.Tensor:
-    target = torch.log(_normalized(importance, valid) + 1e-8)
+    target = torch.log(normalized(importance, valid) + 1e-8)
     error = (scores.masked_fill(~valid, 0.0) - target) ** 2
     return (error * valid).sum() / valid.sum()
 
@@ -36,7 +36,7 @@ def regression(scores, importance, valid, generator=None) -> torch.Tensor:
 def ranknet(scores, importance, valid, generator=None) -> torch.Tensor:
     b, h, n = scores.shape
     lengths = valid[:, 0].sum(-1)  # [b] real tokens per row (padding is at the end)
-    u = torch.rand(2, b, 1, PAIRS_PER_ROW, generator=generator)
+    u = torch.rand(2, b, 1, PAIRS_PER_ROW, generator=generator).to(scores.device)
     index = (u * lengths[None, :, None, None]).long().expand(2, b, h, PAIRS_PER_ROW)
     s_i, s_j = scores.gather(-1, index[0]), scores.gather(-1, index[1])
     c_i, c_j = importance.gather(-1, index[0]), importance.gather(-1, index[1])
@@ -47,7 +47,7 @@ def ranknet(scores, importance, valid, generator=None) -> torch.Tensor:
 
 
 def listnet(scores, importance, valid, generator=None) -> torch.Tensor:
-    target = _normalized(importance, valid)
+    target = normalized(importance, valid)
     log_p = scores.masked_fill(~valid, -1e4).log_softmax(-1)
     return -(target * log_p).sum(-1).mean()
 
@@ -57,7 +57,7 @@ def softsort(scores, importance, valid, generator=None) -> torch.Tensor:
     lengths = valid[:, 0].sum(-1)
     m = SOFTSORT_TOKENS
     # A random subset of tokens per row keeps the pairwise soft ranks at m x m.
-    u = torch.rand(b, 1, m, generator=generator)
+    u = torch.rand(b, 1, m, generator=generator).to(scores.device)
     index = (u * lengths[:, None, None]).long().expand(b, h, m)
     s, c = scores.gather(-1, index), importance.gather(-1, index)
     soft_rank = torch.sigmoid((s[..., None, :] - s[..., :, None]) / SOFTSORT_TEMPERATURE).sum(-1) - 0.5
@@ -65,11 +65,18 @@ def softsort(scores, importance, valid, generator=None) -> torch.Tensor:
     return ((soft_rank - true_rank) / m).pow(2).mean()
 
 
-def loss(objective: str, scores, importance, valid, generator=None) -> torch.Tensor:
-    """The supervised loss ``objective`` (one of :data:`LOSSES`); valid ``[batch, n]``."""
-    if objective not in LOSSES:
-        raise ValueError(f"objective must be one of {LOSSES}, got {objective!r}")
-    valid = valid[:, None, :].expand_as(scores)
-    return {"regression": regression, "ranknet": ranknet, "listnet": listnet, "softsort": softsort}[
-        objective
-    ](scores, importance, valid, generator)
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "regression": regression,
+    "ranknet": ranknet,
+    "listnet": listnet,
+    "softsort": softsort,
+}
+
+
+def supervised_objective(
+    loss: Callable[..., torch.Tensor], agents: HeadAgents, batch: Batch, generator: torch.Generator
+) -> tuple[torch.Tensor, None]:
+    """``(loss, None)`` of one batch: a supervised objective reports no sampled reward."""
+    scores = agents(batch.keys, batch.values, batch.positions)
+    valid = batch.valid[:, None, :].expand_as(scores)
+    return loss(scores, batch.importance, valid, generator), None
