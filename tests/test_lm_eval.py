@@ -18,7 +18,7 @@ from lm_eval.api.registry import get_model  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from kvp_cache import KVPCache  # noqa: E402
-from kvp_cache.integrations import append_uncompressed, cache_kwarg, forward_tokens  # noqa: E402
+from kvp_cache.integrations import cache_kwarg, forward_tokens  # noqa: E402
 from kvp_cache.integrations.lm_eval import KVPLM, SPLIT_MARKER, split_at_marker  # noqa: E402
 
 HEAD = "The quick brown fox jumps over the lazy dog.\n" * 6
@@ -190,13 +190,15 @@ def test_generate_until_matches_generate_with_kvpcache(tiny_dir):
 def test_generate_until_split_marker(tiny_dir):
     lm = make_lm(KVPLM, tiny_dir, method="knorm", budget=8, sink_tokens=2, window_tokens=2, batch_size=2)
     got = lm.generate_until(gen_requests([HEAD + SPLIT_MARKER + QUESTION]))[0]
-    # By hand: compress the head, append the question one token at a time, decode.
+    # By hand, the old protocol: compress the head, append the question one token at a time
+    # (a single-token forward never evicts), decode.
     head_ids, full_ids = torch.tensor([lm.tok_encode(HEAD)]), torch.tensor([lm.tok_encode(CONTEXT)])
     assert torch.equal(full_ids[:, : head_ids.shape[1]], head_ids)
     cache = KVPCache(lm.model, method="knorm", budget=8, sink_tokens=2, window_tokens=2)
     forward_tokens(lm.model, cache, head_ids)
     assert cache.evicting_layers[0].physical_length() == 8
-    append_uncompressed(lm.model, cache, full_ids[:, head_ids.shape[1] : -1])
+    for token in full_ids[0, head_ids.shape[1] : -1]:
+        forward_tokens(lm.model, cache, token.view(1, 1))
     assert cache.evicting_layers[0].physical_length() == 8 + full_ids.shape[1] - 1 - head_ids.shape[1]
     out = lm.model.generate(
         full_ids, **{cache_kwarg(lm.model): cache}, max_new_tokens=8, do_sample=False, pad_token_id=0
@@ -211,6 +213,34 @@ def test_generate_until_split_marker(tiny_dir):
     # Full budget: stock hf on the unmarked text.
     full = make_lm(KVPLM, tiny_dir, budget=1.0).generate_until(gen_requests([HEAD + SPLIT_MARKER + QUESTION]))
     assert full == make_lm(HFLM, tiny_dir).generate_until(gen_requests([CONTEXT]))
+
+
+def test_max_cache_tokens_bounds_the_answer(tiny_dir, monkeypatch):
+    lm = make_lm(
+        KVPLM,
+        tiny_dir,
+        method="knorm",
+        budget=8,
+        sink_tokens=2,
+        window_tokens=2,
+        max_cache_tokens=6,
+        evict_every=2,
+    )
+    assert lm.get_model_info()["kvp"]["max_cache_tokens"] == 6
+    caches = []
+    new_cache = lm._new_cache
+    monkeypatch.setattr(lm, "_new_cache", lambda **kw: caches.append(new_cache(**kw)) or caches[-1])
+    got = lm.generate_until(gen_requests([CONTEXT]))[0]
+    assert caches[0].evicting_layers[0].physical_length() <= 6 + 2
+    # the same as generate with the same cache built by hand
+    ids = torch.tensor([lm.tok_encode(CONTEXT)])
+    cache = KVPCache(lm.model, budget=8, sink_tokens=2, window_tokens=2, max_cache_tokens=6, evict_every=2)
+    out = lm.model.generate(
+        ids, **{cache_kwarg(lm.model): cache}, max_new_tokens=8, do_sample=False, pad_token_id=0
+    )
+    assert got == lm.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n\n")[0]
+    with pytest.raises(ValueError, match="max_cache_tokens"):
+        make_lm(KVPLM, tiny_dir, max_cache_tokens=3)
 
 
 def test_split_at_marker():

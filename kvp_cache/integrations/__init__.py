@@ -1,10 +1,11 @@
 """Integrations with evaluation tools, and the forward helpers they share.
 
-A ``KVPCache`` compresses at the end of every multi-token forward. Evaluation protocols that ask
-a question *after* compression must therefore feed the question one token at a time: a
-single-token forward appends to the cache and never evicts. :func:`append_uncompressed` does
-that; :func:`forward_tokens` is one forward on top of a cache with the positions ``generate``
-would use for a left-padded batch.
+:func:`forward_tokens` is one forward on top of a cache with the positions ``generate`` would use
+for a left-padded batch. To ask a question *after* compressing a context, build the cache with
+``KVPCache(..., compress="first_prefill")``: the context's forward compresses, and the question's
+multi-token forward is appended whole. :func:`append_uncompressed` is the older way, for a cache on
+the default ``compress="every_prefill"``: it feeds tokens one at a time, since a single-token
+forward never evicts.
 """
 
 from __future__ import annotations

@@ -7,15 +7,17 @@ lm-eval's HF arguments plus:
 - ``policy``: a learned KVP policy (shipped name, directory or Hub id); implies ``method=kvp``;
 - ``budget`` (default 0.25): float in (0, 1] = fraction kept, int >= 1 = tokens kept per head;
 - ``sink_tokens`` (4), ``window_tokens`` (16): first and last prompt tokens always kept;
+- ``max_cache_tokens`` (none), ``evict_every`` (64): bound the cache while decoding (see ``KVPCache``);
 - method options (see the method's dataclass), one per key as ``option_window_size=32`` in the
   ``k=v`` form, or as ``method_options``: a dict (JSON ``--model_args '{"pretrained": ..., "method":
   "snapkv", "method_options": {"window_size": 32}}'``, or a Python dict) or a JSON string.
 
-Protocol. Every context is prefilled once and compressed; the continuation (loglikelihood) or
-the answer (generation) is then computed on the compressed cache, and its own tokens are never
-evicted. A context may contain :data:`SPLIT_MARKER`: only the text before the last marker is
-compressed, and the text after it (say, the question) is fed on top of the compressed cache.
-The marker is removed before tokenization. ``loglikelihood_rolling`` (perplexity) is stock
+Protocol. Every cache is built with ``compress="first_prefill"``: the context is prefilled once
+and compressed, and the continuation (loglikelihood) or the answer (generation) is then computed
+on the compressed cache, its own tokens never evicted (unless ``max_cache_tokens`` bounds a long
+answer). A context may contain :data:`SPLIT_MARKER`: only the text before the last marker is
+compressed, and the text after it (say, the question) is appended whole on top of the compressed
+cache. The marker is removed before tokenization. ``loglikelihood_rolling`` (perplexity) is stock
 ``hf``: its windows have one-token contexts, so there is nothing to compress.
 
 Run it with the ``kvp-lm-eval`` console script, which takes every ``lm_eval`` flag, or from
@@ -38,7 +40,7 @@ from tqdm import tqdm
 
 from kvp_cache.budget import validate_budget
 from kvp_cache.cache import KVPCache
-from kvp_cache.integrations import append_uncompressed, cache_kwarg, forward_tokens
+from kvp_cache.integrations import cache_kwarg, forward_tokens
 from kvp_cache.scorers import make_scorer
 
 SPLIT_MARKER = "<|kvp_split|>"
@@ -95,6 +97,8 @@ class KVPLM(HFLM):
         budget: float | int = 0.25,
         sink_tokens: int = 4,
         window_tokens: int = 16,
+        max_cache_tokens: int | None = None,
+        evict_every: int = 64,
         method_options: str | dict | None = None,
         **kwargs,
     ) -> None:
@@ -107,6 +111,8 @@ class KVPLM(HFLM):
         self.kvp_budget = validate_budget(budget)
         self.kvp_sink_tokens = sink_tokens
         self.kvp_window_tokens = window_tokens
+        self.kvp_max_cache_tokens = max_cache_tokens
+        self.kvp_evict_every = evict_every
         self.kvp_options = options
         self._policy = None
         if policy is not None:
@@ -121,13 +127,22 @@ class KVPLM(HFLM):
             raise ValueError("the kvp model supports decoder-only (causal) models only")
         self._new_cache()  # the model, sinks/window and budget are checked here, before any request
 
-    def _new_cache(self) -> KVPCache:
-        common = dict(
-            budget=self.kvp_budget, sink_tokens=self.kvp_sink_tokens, window_tokens=self.kvp_window_tokens
-        )
+    def _new_cache(self, budget: float | int | None = None) -> KVPCache:
+        """A fresh cache: the first multi-token forward compresses, later ones append."""
+        options = dict(self.kvp_options)
         if self._policy is not None:
-            return KVPCache.from_pretrained(self._policy, model=self.model, **common, **self.kvp_options)
-        return KVPCache(self.model, method=self.kvp_method, **common, **self.kvp_options)
+            options["policy"] = self._policy
+        return KVPCache(
+            self.model,
+            method=self.kvp_method,
+            budget=self.kvp_budget if budget is None else budget,
+            sink_tokens=self.kvp_sink_tokens,
+            window_tokens=self.kvp_window_tokens,
+            compress="first_prefill",
+            max_cache_tokens=self.kvp_max_cache_tokens,
+            evict_every=self.kvp_evict_every,
+            **options,
+        )
 
     def _autocast(self):
         return torch.autocast(
@@ -143,6 +158,8 @@ class KVPLM(HFLM):
             "budget": self.kvp_budget,
             "sink_tokens": self.kvp_sink_tokens,
             "window_tokens": self.kvp_window_tokens,
+            "max_cache_tokens": self.kvp_max_cache_tokens,
+            "evict_every": self.kvp_evict_every,
             "options": {k: v for k, v in self.kvp_options.items() if isinstance(v, str | int | float | bool)},
         }
         return info
@@ -256,20 +273,20 @@ class KVPLM(HFLM):
         """``hf`` generation with a fresh ``KVPCache`` (``context``: ``[batch, seq]``, left-padded).
 
         Without a split the prompt is one prefill, compressed at its end, as in plain
-        ``model.generate(..., past_key_values=KVPCache(...))``. With a split, the head is
-        prefilled and compressed, the tail but its last token is appended one token at a time,
-        and ``generate`` continues from the last token.
+        ``model.generate(..., cache=KVPCache(...))``. With a split, the head is prefilled and
+        compressed, and ``generate`` appends the tail whole (``compress="first_prefill"``) in one
+        forward before decoding.
         """
         tail = min(generation_kwargs.pop(_TAIL_KWARG, 0), context.shape[1] - 1)
-        cache = self._new_cache()
+        head = context.shape[1] - tail
+        # A one-token head is not a multi-token forward, so the tail would be compressed in its
+        # place; there is nothing to compress then, as with the whole text after the marker.
+        cache = self._new_cache(budget=1.0 if tail > 0 and head == 1 else None)
         if tail > 0:
             mask = generation_kwargs.get("attention_mask")
             with torch.no_grad(), self._autocast():
-                head_mask = mask[:, :-tail] if mask is not None else None
-                forward_tokens(self.model, cache, context[:, :-tail], head_mask, logits_to_keep=1)
-                append_uncompressed(
-                    self.model, cache, context[:, -tail:-1], mask[:, :-1] if mask is not None else None
-                )
+                head_mask = mask[:, :head] if mask is not None else None
+                forward_tokens(self.model, cache, context[:, :head], head_mask, logits_to_keep=1)
         generation_kwargs[cache_kwarg(self.model)] = cache
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
