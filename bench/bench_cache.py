@@ -34,7 +34,8 @@ Reported ratios (medians over repeats; each method against the full-cache median
 - peak ratio: peak delta with KVPCache / peak delta with DynamicCache; target <= 1.05.
 - decode ratio: decode tokens/s with the compressed cache / with the full cache.
 
-Method ``kvp`` uses the first shipped policy, or an untrained ``KVPolicy.for_model`` (same cost).
+Method ``kvp`` uses the shipped ``smollm2-135m-instruct`` policy. Every cache comes from the one
+factory, ``KVPCache(model, method=..., policy=..., budget=...)``.
 
 Threads: ``--threads 1`` by default. On a machine shared with other jobs, torch's OpenMP threads
 spin against each other: on the 2-core dev box under load, 2 threads made a 512-token prefill 6x
@@ -58,17 +59,19 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, DynamicCache
 
-from kvp_cache import KVPCache, available_methods, ruler
-from kvp_cache.cache import EvictingLayer
-from kvp_cache.demo import CACHE_ARG, DEFAULT_ESSAYS, default_policy, dynamic_cache_bytes
+from kvp_cache import KVPCache, available_methods, ruler, scorers
+from kvp_cache.cache import EvictingLayer, cache_bytes
+from kvp_cache.compat import cache_kwarg
+from kvp_cache.demo import DEFAULT_ESSAYS
 from kvp_cache.models import MODELS, load_model
-from kvp_cache.scorers import SCORERS
+from kvp_cache.policy import shipped_policies
 
 FULL = "full"
 KV_ONLY_TARGET = 0.01  # evict / prefill for key/value-only methods
 KV_METADATA_TARGET = 0.01  # compressed bytes <= budget x full x (1 + this)
 PEAK_TARGET = 1.05
 WARMUP_TOKENS = 256
+POLICY = "smollm2-135m-instruct"  # the shipped policy for SmolLM2 (method kvp)
 
 
 @dataclass
@@ -126,18 +129,8 @@ class EvictionTimer:
 def make_cache(model, config: str, budget):
     if config == FULL:
         return DynamicCache(config=model.config)
-    if config == "kvp":
-        policy = default_policy()
-        if policy is None:
-            from kvp_cache.policy import KVPolicy
-
-            policy = KVPolicy.for_model(model)
-        return KVPCache.from_pretrained(policy, model=model, budget=budget)
-    return KVPCache(model, method=config, budget=budget)
-
-
-def cache_bytes(cache) -> int:
-    return cache.kv_bytes() if isinstance(cache, KVPCache) else dynamic_cache_bytes(cache)
+    policy = {"policy": POLICY} if config == "kvp" else {}
+    return KVPCache(model, method=config, budget=budget, **policy)
 
 
 @torch.no_grad()
@@ -146,7 +139,7 @@ def decode(model, cache, first_token: torch.Tensor, tokens: int) -> float:
     token = first_token
     start = time.perf_counter()
     for _ in range(tokens):
-        logits = model(token, **{CACHE_ARG: cache}).logits
+        logits = model(token, **{cache_kwarg(model): cache}).logits
         token = logits[:, -1:].argmax(-1)
     return tokens / (time.perf_counter() - start)
 
@@ -156,7 +149,7 @@ def measure(config: str, input_ids: torch.Tensor, budget, decode_tokens: int, th
     torch.set_num_threads(threads)
     model, _ = load_model("smollm2")
     warm = make_cache(model, config, budget)
-    out = model(input_ids[:, :WARMUP_TOKENS], logits_to_keep=1, **{CACHE_ARG: warm})
+    out = model(input_ids[:, :WARMUP_TOKENS], logits_to_keep=1, **{cache_kwarg(model): warm})
     decode(model, warm, out.logits[:, -1:].argmax(-1), 2)
     del warm, out
     gc.collect()
@@ -166,7 +159,7 @@ def measure(config: str, input_ids: torch.Tensor, budget, decode_tokens: int, th
     rss_before = _status_kib("VmRSS")
     with EvictionTimer() as timer:
         start = time.perf_counter()
-        out = model(input_ids, logits_to_keep=1, **{CACHE_ARG: cache})
+        out = model(input_ids, logits_to_keep=1, **{cache_kwarg(model): cache})
         prefill_s = time.perf_counter() - start
     peak_delta = (_status_kib("VmHWM") - rss_before) * 1024
     kv_bytes = cache_bytes(cache)
@@ -205,7 +198,7 @@ def summarize(runs: list[Run], methods: list[str], budget) -> dict:
     full = {f: median(FULL, f) for f in ("prefill_s", "kv_bytes", "peak_delta_bytes", "decode_tokens_per_s")}
     rows = {}
     for method in methods:
-        kv_only = SCORERS[method].query_window is None
+        kv_only = method in scorers.methods(query_aware=False)
         evict = statistics.median(r.evict_s / r.prefill_s for r in runs if r.config == method)
         kv_ratio = median(method, "kv_bytes") / full["kv_bytes"]
         peak = median(method, "peak_delta_bytes") / full["peak_delta_bytes"]
@@ -271,6 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown method(s) {unknown}; available: {', '.join(known)}")
     args.methods = args.methods or known
+    if "kvp" in args.methods and POLICY not in shipped_policies():
+        parser.error(f"method kvp needs the shipped policy {POLICY!r}; shipped: {shipped_policies()}")
     return args
 
 

@@ -72,7 +72,8 @@ class EvictingLayer(DynamicLayer):
     Per row it keeps ``keys``/``values`` (``[batch, kv_heads, slots, head_dim]``), ``valid``
     (``[batch, slots]``, False where a slot holds padding) and ``seen_real`` (``[batch]``, real
     tokens seen). Optionally: ``scores`` (``[batch, kv_heads, slots]``, for scorers with
-    ``per_token = True``: each token is scored once, when it enters, and the score is kept),
+    ``per_token = True``: each token is scored once and the score is kept; NaN for decoded tokens
+    not yet needed by an eviction),
     ``positions`` (``[batch, kv_heads, slots]`` logical positions, with ``track_positions=True``)
     and ``recent_queries`` (the queries captured since the last eviction, for query-aware scorers).
     """
@@ -170,13 +171,13 @@ class EvictingLayer(DynamicLayer):
             new_real = torch.ones(b, q, dtype=torch.bool, device=self.device)
         new_real = new_real.to(self.device)
         if self.scores is not None:
-            # Each token is scored once, as it enters, at its index among its row's real tokens.
+            # Each token is scored once, at its index among its row's real tokens. A decoded token
+            # (q == 1) waits as NaN until an eviction needs it (most never do), see _score_pending.
             positions = (self.seen_real[:, None] + new_real.long().cumsum(-1) - 1).masked_fill(~new_real, -1)
-            with torch.no_grad():
-                new_scores = self.settings.scorer.score(
-                    key_states, value_states, positions, None, self.layer_idx
-                )
-            self.scores = torch.cat([self.scores, new_scores.float()], dim=-1)
+            new_scores = self._score_at_entry(key_states, value_states, positions) if q > 1 else None
+            if new_scores is None:
+                new_scores = torch.full((b, h, q), float("nan"), device=self.device)
+            self.scores = torch.cat([self.scores, new_scores], dim=-1)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.valid = torch.cat([self.valid, new_real], dim=-1)
@@ -189,6 +190,35 @@ class EvictingLayer(DynamicLayer):
         self.cumulative_length += q
         self.appended_since_eviction += q
         return self.keys, self.values
+
+    @torch.no_grad()
+    def _score_at_entry(
+        self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        return self.settings.scorer.score(keys, values, positions, None, self.layer_idx).float()
+
+    def _score_pending(self) -> None:
+        """Score the decoded tokens still waiting (NaN), each as it was when it entered alone.
+
+        They all entered after the last eviction, so a waiting entry's index among its row's real
+        tokens is ``seen_real`` minus the real entries from it to the end. Scoring them as a batch
+        of one-token rows gives each the score a one-token forward would have given it then.
+        """
+        pending = self.scores[0, 0].isnan().nonzero().squeeze(-1)  # the same slots in every row and head
+        if pending.numel() == 0:
+            return
+        b, h, _, d = self.keys.shape
+        real_from_here = self.valid.flip(-1).long().cumsum(-1).flip(-1)
+        positions = (self.seen_real[:, None] - real_from_here).masked_fill(~self.valid, -1)[:, pending]
+        m = pending.numel()
+
+        def one_token_rows(states: torch.Tensor) -> torch.Tensor:  # [b, h, m, d] -> [b * m, h, 1, d]
+            return states[:, :, pending].permute(0, 2, 1, 3).reshape(b * m, h, 1, d)
+
+        scores = self._score_at_entry(
+            one_token_rows(self.keys), one_token_rows(self.values), positions.reshape(-1, 1)
+        )
+        self.scores[:, :, pending] = scores.reshape(b, m, h).transpose(1, 2)
 
     def prefill_evicts(self, q: int) -> bool:
         """Whether a forward of ``q`` new tokens ends with the budget eviction of the schedule."""
@@ -230,6 +260,7 @@ class EvictingLayer(DynamicLayer):
         positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
         with torch.no_grad():  # selection is not differentiable; don't build a graph for it
             if self.scores is not None:
+                self._score_pending()
                 scores = self.scores
             else:
                 scores = s.scorer.score(self.keys, self.values, positions, queries, self.layer_idx).float()

@@ -22,8 +22,9 @@ class KVPScorer(Scorer):
     device of that layer's keys on first use, so a model split over devices keeps each layer's
     agents next to its cache.
 
-    Each token is scored once, when it enters the cache, at its index among its row's real
-    tokens (``per_token``); the cache keeps the scores, so decoding never rescores old tokens.
+    Each token is scored once, as it entered the cache, at its index among its row's real tokens
+    (``per_token``); the cache keeps the scores, so decoding never rescores old tokens. Decoded
+    tokens are scored only when an eviction needs them, each as a one-token row.
     """
 
     name = "kvp"
