@@ -376,3 +376,123 @@ def test_evaluate_writes_table_json_png(traces, tmp_path, llama):
     assert (tmp_path / "report" / "eviction_cost_val.png").stat().st_size > 1000
     card = evaluate.card_evaluation(result)
     assert card["budgets"] == [0.25, 0.5] and "kvp" in card["methods"]
+    from kvp_cache.provenance import sha256_of
+
+    assert next(iter(result)) == "provenance"
+    assert result["provenance"]["policy"]["sha256"] == sha256_of(tmp_path / "policy" / "model.safetensors")
+    assert result["policies"]["kvp[scale]"]["sha256"] == result["provenance"]["policy"]["sha256"]
+
+
+# ---------------------------------------------------------------- targets, RL variants, scale-out
+
+
+def test_targets_by_name():
+    from train import targets
+    from train.traces import LayerSample
+
+    importance = torch.arange(1.0, 41.0).expand(2, 40)
+    sample = LayerSample(torch.zeros(2, 40, 8), torch.zeros(2, 40, 8), importance, {}, "s/0", "s")
+    assert torch.equal(targets.target("attention", sample), importance)
+    evictable = targets.target("attention_evictable", sample, sinks=4, window=16)
+    assert evictable[:, :4].abs().sum() == 0 and evictable[:, 24:].abs().sum() == 0
+    assert torch.equal(evictable[:, 4:24], importance[:, 4:24])
+    with pytest.raises(ValueError, match="value_importance"):
+        targets.target("value_attention", sample)
+    with pytest.raises(ValueError, match="target must be one of"):
+        targets.target("loss", sample)
+    with pytest.raises(ValueError, match="target must be one of"):
+        fit.FitConfig("", "", target="loss").validate()
+
+
+def test_rloo_over_permutations_of_one_trace():
+    rewards = torch.tensor([[[-1.0], [-5.0]], [[-2.0], [-7.0]], [[-4.0], [-6.0]]])  # [k=3, traces=2, heads=1]
+    advantages = rl.rloo_advantages(rewards, clip=10.0)
+    raw = (
+        rewards - (rewards.sum(0, keepdim=True) - rewards) / 2
+    )  # baseline: the other permutations of that trace
+    expected = (raw - raw.mean()) / (raw.std() + 1e-8)
+    torch.testing.assert_close(advantages, expected)
+    # the traces' very different reward levels do not leak into the advantages
+    torch.testing.assert_close(rl.rloo_advantages(rewards + torch.tensor([[[0.0], [9.0]]]), 10.0), advantages)
+
+
+def test_rl_with_permutations_learns():
+    torch.manual_seed(0)
+    keys = torch.randn(6, 2, 40, 8)
+    values = torch.randn(6, 2, 40, 8)
+    from train.traces import LayerSample
+
+    samples = [
+        LayerSample(keys[i], values[i], torch.exp(3 * keys[i, ..., 0]), {}, f"s/{i}", "s") for i in range(6)
+    ]
+    agents = HeadAgents(2, 8, 16, 4, 64, 2, "clamp")
+    config = fit.FitConfig("", "", objective="rl", permutations=4, batch_size=4, steps=60, warmup=2, lr=1e-2)
+    config.validate()
+    history = fit.fit_layer(agents, samples, samples, config)
+    assert history["best_val_reward"] > history["initial_val_reward"] + 0.05
+    assert len(history["train_reward"]) == 60
+
+
+def fit_config(root, out, **overrides):
+    settings = dict(
+        steps=30, batch_size=8, warmup=3, eval_every=10, lr=1e-2, hidden_dim=16, pos_dim=4, max_positions=64
+    )
+    return fit.FitConfig(traces=str(root), out=str(out), **{**settings, **overrides})
+
+
+def test_rl_fine_tunes_from_listnet_weights(tmp_path):
+    synthetic_traces(tmp_path / "traces")
+    listnet_dir = fit.fit(fit_config(tmp_path / "traces", tmp_path / "listnet", objective="listnet"))
+    fit.fit(fit_config(tmp_path / "traces", tmp_path / "rl", objective="rl", init_from=str(listnet_dir)))
+    for layer in range(2):
+        listnet = json.loads((tmp_path / "listnet" / "layers" / f"layer_{layer:02d}.json").read_text())
+        tuned = json.loads((tmp_path / "rl" / "layers" / f"layer_{layer:02d}.json").read_text())
+        assert tuned["initial_val_reward"] == pytest.approx(listnet["best_val_reward"], abs=1e-5)
+        assert tuned["best_val_reward"] >= tuned["initial_val_reward"]
+    with pytest.raises(ValueError, match="another architecture"):
+        fit.fit(fit_config(tmp_path / "traces", tmp_path / "wide", hidden_dim=32, init_from=str(listnet_dir)))
+
+
+def test_fit_split_across_two_processes_matches_one(tmp_path):
+    """accelerate launch with 2 CPU processes (gloo): each trains one layer; same policy as one process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    synthetic_traces(tmp_path / "traces")
+    single = fit.fit(fit_config(tmp_path / "traces", tmp_path / "single", objective="listnet"))
+    repo = Path(__file__).resolve().parents[1]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += [
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "0",
+    ]
+    args = ["--traces", str(tmp_path / "traces"), "--out", str(tmp_path / "double"), "--objective", "listnet"]
+    for name, value in dict(
+        steps=30, batch_size=8, warmup=3, eval_every=10, hidden_dim=16, pos_dim=4
+    ).items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    args += ["--lr", "1e-2", "--max-positions", "64", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(repo), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [*launch, "-m", "train", "fit", *args], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    trained_by = [
+        json.loads((tmp_path / "double" / "layers" / f"layer_{i:02d}.json").read_text()) for i in (0, 1)
+    ]
+    assert [record["process"] for record in trained_by] == [0, 1]
+    expected = load_file(str(single / "model.safetensors"))
+    actual = load_file(str(tmp_path / "double" / "policy" / "model.safetensors"))
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4)

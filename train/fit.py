@@ -273,16 +273,16 @@ def train_layers(
     val: TraceSplit,
     config: FitConfig,
     out: Path,
-    device,
+    state: PartialState,
 ) -> None:
-    """Fit and save each of ``layers`` that has no saved weights yet."""
+    """Fit and save each of ``layers`` that has no saved weights yet, on this process's device."""
     objective = make_objective(config)
     for layer in tqdm(layers, desc=f"fit ({config.objective}, {config.target})", unit="layer"):
         weights, record = layer_paths(out, layer)
         if weights.exists() and record.exists():
             continue
         torch.manual_seed(config.seed * 1000 + layer)
-        agents = policy.layers[layer].to(device)
+        agents = policy.layers[layer].to(state.device)
         started = time.time()
         history = fit_layer(
             agents,
@@ -292,7 +292,7 @@ def train_layers(
             f"layer {layer}",
             objective,
         )
-        history["seconds"] = round(time.time() - started, 1)
+        history.update(seconds=round(time.time() - started, 1), process=state.process_index)
         save_file({k: v.detach().cpu().contiguous() for k, v in agents.state_dict().items()}, str(weights))
         record.write_text(json.dumps(history))
 
@@ -347,9 +347,7 @@ def fit(config: FitConfig) -> Path:
     policy = initial_policy(train.model, config)
     layers = config.layers if config.layers is not None else list(range(train.model["num_layers"]))
     started = time.time()
-    train_layers(
-        policy, layers[state.process_index :: state.num_processes], train, val, config, out, state.device
-    )
+    train_layers(policy, layers[state.process_index :: state.num_processes], train, val, config, out, state)
     state.wait_for_everyone()
     if not state.is_main_process:
         return out
