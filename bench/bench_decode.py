@@ -1,0 +1,222 @@
+"""Bounded memory while decoding: ``KVPCache(max_cache_tokens=N)`` against a full ``DynamicCache``.
+
+    .venv/bin/python bench/bench_decode.py [--prompt-tokens 1024] [--generate-tokens 4096]
+        [--speed-methods kvp] [--speed-cap 1024] [--continuation-tokens 2048] [--caps 256 512 1024]
+        [--methods kvp knorm ...] [--evict-every 64] [--chunk 16] [--threads 1] [--json out.json]
+
+SmolLM2-135M-Instruct on CPU, float32. Two measurements on one long Paul Graham essay (the
+longest in ``../shared/data/pg_essays``):
+
+1. Speed and memory. The essay's first ``--prompt-tokens`` tokens are prefilled, then
+   ``--generate-tokens`` tokens are decoded greedily, one forward per token (EOS does not stop
+   it), with a full ``DynamicCache`` and with ``KVPCache(model, method=m, policy=..., budget=1.0,
+   max_cache_tokens=--speed-cap, evict_every=...)`` for each ``--speed-methods``. Reported: decode
+   tokens/s (time spent in the forwards only), the peak of the cache's bytes (keys, values and
+   per-slot metadata, read after every forward) and whether it stays flat once the cap is
+   reached (the peak over the last quarter of the generation over the peak over the second
+   quarter; 1.00 = flat).
+2. Quality. The essay's next ``--continuation-tokens`` tokens after the prompt are teacher-forced
+   through a capped cache, for every ``--methods`` at every ``--caps``, and the mean negative
+   log-likelihood of the true tokens is reported next to the full cache's. The continuation is fed
+   in chunks of ``--chunk`` tokens (a token-by-token loop is ``--chunk``x slower on CPU): each token
+   attends to the cache as it stood at its chunk's start plus the chunk's earlier tokens, and the
+   cache is trimmed at the end of a chunk, as after a decoding step. The prefill's own eviction
+   happens at the end of the prompt, so the first continuation token is scored exactly.
+
+``kvp`` uses the shipped ``smollm2-135m-instruct`` policy, trained on prefill traces only. The JSON
+output (``--json``) starts with ``kvp_cache.provenance.provenance(...)``. One thread by default:
+the development machine's two cores are shared, and two OpenMP threads spin against each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from kvp_cache import KVPCache, scorers
+from kvp_cache.cache import cache_bytes
+from kvp_cache.compat import cache_kwarg
+from kvp_cache.demo import DEFAULT_ESSAYS
+from kvp_cache.models import MODELS, load_model
+from kvp_cache.policy import shipped_policies
+from kvp_cache.provenance import provenance
+
+FULL = "full"
+POLICY = "smollm2-135m-instruct"  # the shipped policy for SmolLM2 (method kvp)
+
+
+def essay_ids(tokenizer, essays: Path, needed: int) -> tuple[torch.Tensor, str]:
+    """The longest essay's first ``needed`` tokens, ``[1, needed]``."""
+    path = max(essays.glob("*.txt"), key=lambda p: p.stat().st_size)
+    ids = tokenizer(path.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
+    if ids.shape[1] < needed:
+        raise SystemExit(f"{path} has {ids.shape[1]} tokens; lower --prompt-tokens/--continuation-tokens")
+    return ids[:, :needed], path.name
+
+
+def make_cache(model, method: str, cap: int | None, evict_every: int):
+    if method == FULL:
+        return DynamicCache(config=model.config)
+    policy = {"policy": POLICY} if method == "kvp" else {}
+    return KVPCache(model, method=method, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **policy)
+
+
+@torch.no_grad()
+def decode_run(model, cache, prompt: torch.Tensor, tokens: int, label: str) -> dict:
+    """Prefill, then ``tokens`` greedy single-token forwards; tokens/s and the KV bytes after each."""
+    kwargs = {cache_kwarg(model): cache}
+    token = model(prompt, logits_to_keep=1, **kwargs).logits[:, -1:].argmax(-1)
+    held, seconds = [], 0.0
+    for _ in tqdm(range(tokens), desc=label, unit="tok", leave=False):
+        start = time.perf_counter()
+        logits = model(token, **kwargs).logits
+        seconds += time.perf_counter() - start
+        token = logits[:, -1:].argmax(-1)
+        held.append(cache_bytes(cache))
+    quarter = tokens // 4
+    return {
+        "tokens_per_s": tokens / seconds,
+        "peak_kv_bytes": max(held),
+        "final_kv_bytes": held[-1],
+        "flatness": max(held[3 * quarter :]) / max(held[quarter : 2 * quarter]),
+        "kv_bytes_every_256": held[255::256],
+    }
+
+
+@torch.no_grad()
+def continuation_nll(model, cache, ids: torch.Tensor, prompt_tokens: int, chunk: int) -> float:
+    """Mean NLL of ``ids[:, prompt_tokens:]`` teacher-forced through ``cache`` in chunks."""
+    kwargs = {cache_kwarg(model): cache}
+    logits = model(ids[:, :prompt_tokens], logits_to_keep=1, **kwargs).logits[:, -1]
+    total = F.cross_entropy(logits.float(), ids[:, prompt_tokens], reduction="sum")
+    for start in range(prompt_tokens, ids.shape[1] - 1, chunk):
+        piece = ids[:, start : min(start + chunk, ids.shape[1] - 1)]
+        logits = model(piece, **kwargs).logits[0].float()
+        targets = ids[0, start + 1 : start + 1 + piece.shape[1]]
+        total += F.cross_entropy(logits, targets, reduction="sum")
+    return float(total) / (ids.shape[1] - prompt_tokens)
+
+
+def speed_table(speed: dict, cap: int, evict_every: int) -> str:
+    full = speed[FULL]
+    lines = [
+        "| cache | tokens/s | vs full | peak KV MiB | vs full | flat (last/2nd quarter) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in speed.items():
+        label = (
+            "DynamicCache" if name == FULL else f"{name}, max_cache_tokens={cap}, evict_every={evict_every}"
+        )
+        lines.append(
+            f"| {label} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
+            f"{r['peak_kv_bytes'] / 2**20:.1f} | {r['peak_kv_bytes'] / full['peak_kv_bytes']:.3f} | {r['flatness']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def nll_table(nll: dict, caps: list[int]) -> str:
+    lines = [
+        "| method | " + " | ".join(f"cap {c}" for c in caps) + " | mean rank |",
+        "|---|" + "---|" * (len(caps) + 1),
+    ]
+    methods = [m for m in nll if m != FULL]
+    ranks = {m: [] for m in methods}
+    for cap in caps:
+        for rank, m in enumerate(sorted(methods, key=lambda m: nll[m][str(cap)]), start=1):
+            ranks[m].append(rank)
+    for m in sorted(methods, key=lambda m: statistics.mean(ranks[m])):
+        cells = " | ".join(f"{nll[m][str(c)]:.4f}" for c in caps)
+        lines.append(f"| {m} | {cells} | {statistics.mean(ranks[m]):.1f} |")
+    lines.append(f"| full DynamicCache | {nll[FULL]:.4f} (no cap) | |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    capped = scorers.methods()
+    capped = [m for m in capped if scorers.SCORERS[m].scores_decoded_tokens]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--generate-tokens", type=int, default=4096)
+    parser.add_argument("--speed-methods", nargs="*", default=["kvp"], choices=capped)
+    parser.add_argument("--speed-cap", type=int, default=1024)
+    parser.add_argument("--continuation-tokens", type=int, default=2048, help="0 skips the quality part")
+    parser.add_argument("--caps", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--methods", nargs="+", default=capped, choices=capped)
+    parser.add_argument("--evict-every", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=16, help="teacher-forcing chunk, <= --evict-every")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--essays", type=Path, default=DEFAULT_ESSAYS)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    for name in ("prompt_tokens", "speed_cap", "evict_every", "chunk", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("generate_tokens", "continuation_tokens"):
+        if getattr(args, name) < 0 or 0 < getattr(args, name) < 8:
+            parser.error(f"--{name.replace('_', '-')} must be 0 (skip) or >= 8, got {getattr(args, name)}")
+    if min(args.caps) < 20:  # the default sink_tokens + window_tokens
+        parser.error(f"--caps must be >= 20 (sink_tokens + window_tokens), got {args.caps}")
+    if args.chunk > args.evict_every:
+        parser.error(f"--chunk must be <= --evict-every ({args.evict_every}), got {args.chunk}")
+    if not args.essays.is_dir():
+        parser.error(f"--essays {args.essays} is not a directory of .txt essays")
+    if POLICY not in shipped_policies():
+        parser.error(f"method kvp needs the shipped policy {POLICY!r}; shipped: {shipped_policies()}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model("smollm2")
+    needed = args.prompt_tokens + max(args.continuation_tokens, 1)
+    ids, essay = essay_ids(tokenizer, args.essays, needed)
+    prompt = ids[:, : args.prompt_tokens]
+    record = {
+        "provenance": provenance(MODELS["smollm2"].model_id, model.dtype, "cpu", policy=POLICY),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "essay": essay,
+    }
+    if args.generate_tokens:
+        speed = {}
+        for method in [FULL, *args.speed_methods]:
+            cache = make_cache(model, method, args.speed_cap, args.evict_every)
+            speed[method] = decode_run(model, cache, prompt, args.generate_tokens, f"decode {method}")
+            del cache
+        record["speed"] = speed
+        print(
+            f"\nDecoding {args.generate_tokens} tokens after a {args.prompt_tokens}-token prompt ({essay}):"
+        )
+        print(speed_table(speed, args.speed_cap, args.evict_every))
+    if args.continuation_tokens:
+        runs = [(FULL, None)] + [(m, c) for m in args.methods for c in args.caps]
+        nll: dict = {m: {} for m in args.methods}
+        for method, cap in tqdm(runs, desc="teacher-forced NLL", unit="run"):
+            value = continuation_nll(
+                model, make_cache(model, method, cap, args.evict_every), ids, args.prompt_tokens, args.chunk
+            )
+            if method == FULL:
+                nll[FULL] = value
+            else:
+                nll[method][str(cap)] = value
+        record["nll"] = nll
+        print(
+            f"\nMean NLL of the essay's next {args.continuation_tokens} tokens after {args.prompt_tokens} "
+            f"(teacher-forced in chunks of {args.chunk}, evict_every {args.evict_every}, budget 1.0):"
+        )
+        print(nll_table(nll, args.caps))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
