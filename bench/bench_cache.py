@@ -65,6 +65,7 @@ from kvp_cache.compat import cache_kwarg
 from kvp_cache.demo import DEFAULT_ESSAYS
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import shipped_policies
+from kvp_cache.provenance import provenance
 
 FULL = "full"
 KV_ONLY_TARGET = 0.01  # evict / prefill for key/value-only methods
@@ -297,7 +298,9 @@ def main(argv=None) -> None:
     )
     print(format_table(summary, header, args.budget))
     if args.json:
-        record = {"settings": {k: str(v) for k, v in vars(args).items()}, "prompt_tokens": ids.shape[1]}
+        policy = POLICY if "kvp" in args.methods else None
+        record = {"provenance": provenance(MODELS["smollm2"].model_id, torch.float32, "cpu", policy=policy)}
+        record.update(settings={k: str(v) for k, v in vars(args).items()}, prompt_tokens=ids.shape[1])
         record.update(runs=[asdict(r) for r in runs], summary=summary)
         args.json.write_text(json.dumps(record, indent=2))
         print(f"wrote {args.json}")
