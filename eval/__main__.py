@@ -1,23 +1,49 @@
-"""``python -m eval sweep ...``: the budget sweep (see eval/sweep.py and docs/eval.md)."""
+"""``python -m eval sweep|benchmark|report ...`` (see eval/sweep.py, eval/benchmark.py, docs/eval.md)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from eval.sweep import SweepConfig, markdown_report, run_sweep, write_outputs
 from kvp_cache.budget import parse_budget
 from kvp_cache.models import load_model
+from kvp_cache.provenance import provenance
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ESSAYS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
 
 
 def parse_methods(text: str, policy: str | None) -> list[str]:
-    """A comma list; ``all`` = every available method (``kvp`` only with a policy)."""
-    from kvp_cache import available_methods
+    """A comma list; ``all`` = every registry method (learned ones only with a policy)."""
+    from kvp_cache.scorers import methods
 
     if text == "all":
-        return [m for m in available_methods() if m != "kvp" or policy is not None]
+        return methods(learned=False) + (methods(learned=True) if policy else [])
     return [m.strip() for m in text.split(",") if m.strip()]
+
+
+def comma_list(convert):
+    return lambda text: [convert(item.strip()) for item in text.split(",") if item.strip()]
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """Options the sweep and the benchmark share."""
+    parser.add_argument(
+        "--model", default="smollm2", help="'smollm2' (offline SmolLM2-135M-Instruct) or a model directory/id"
+    )
+    parser.add_argument("--methods", default="all", help="comma list of methods, or 'all'")
+    parser.add_argument(
+        "--policy", default=None, help="KVP policy for method 'kvp' (shipped name, directory, Hub id)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sink-tokens", type=int, default=4)
+    parser.add_argument("--window-tokens", type=int, default=16)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)"
+    )
+    parser.add_argument("--device", default="cpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,26 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser(
         "sweep", help="accuracy of methods x budgets on RULER-style tasks, one prefill per sample"
     )
+    add_common(sweep)
     sweep.add_argument(
-        "--model", default="smollm2", help="'smollm2' (offline SmolLM2-135M-Instruct) or a model directory/id"
-    )
-    sweep.add_argument("--methods", default="all", help="comma list of methods, or 'all'")
-    sweep.add_argument(
-        "--budgets", default="0.125,0.25,0.5", help="comma list: fractions in (0,1] or token counts"
-    )
+        "--budgets", type=comma_list(parse_budget), default="0.125,0.25,0.5",
+        help="comma list: fractions in (0,1] or token counts",
+    )  # fmt: skip
     sweep.add_argument("--task", default="niah_single", help="comma list of kvp_cache.ruler tasks")
     sweep.add_argument("--context-tokens", type=int, default=2048)
     sweep.add_argument("--samples", type=int, default=8, help="samples per task")
-    sweep.add_argument(
-        "--policy", default=None, help="KVP policy for method 'kvp' (shipped name, directory, Hub id)"
-    )
+    sweep.add_argument("--split", default="test", help="ruler split: test (reported numbers) or val")
     sweep.add_argument("--question-after", action="store_true", help="compress the context only, ask after")
     sweep.add_argument(
         "--essays-dir", default=None, help="Paul Graham essays as haystack (default: RULER noise)"
     )
-    sweep.add_argument("--seed", type=int, default=0)
-    sweep.add_argument("--sink-tokens", type=int, default=4)
-    sweep.add_argument("--window-tokens", type=int, default=16)
     sweep.add_argument(
         "--max-new-tokens", type=int, default=None, help="default: per task, see eval/sweep.py"
     )
@@ -62,20 +81,70 @@ def build_parser() -> argparse.ArgumentParser:
         help="answers timed per such sample, spread over the grid (0: all)",
     )
     sweep.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)"
-    )
-    sweep.add_argument("--device", default="cpu")
-    sweep.add_argument(
         "--out", type=Path, required=True, help="folder for results.json, table.md, accuracy_vs_budget.png"
     )
+
+    bench = commands.add_parser(
+        "benchmark",
+        help="the canonical report: needles (both protocols) and held-out real text, CIs, resumable",
+    )
+    add_common(bench)
+    bench.set_defaults(policy="smollm2-135m-instruct")
+    bench.add_argument("--budgets", type=comma_list(parse_budget), default=[0.05, 0.1, 0.25, 0.5])
+    bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
+                       help="needle context lengths (tokens)")  # fmt: skip
+    bench.add_argument("--samples", type=comma_list(int), default=None,
+                       help="needle samples per task at each context (default: 50 up to 2K, 20 above)")  # fmt: skip
+    bench.add_argument("--protocols", type=comma_list(str), default=["question_in", "question_after"])
+    bench.add_argument("--tasks", type=comma_list(str), default=None, help="default: the four niah_* tasks")
+    bench.add_argument("--screened-tasks", type=comma_list(str), default=None,
+                       help="tasks benchmarked where the full cache scores >= --min-full-score (default: vt, cwe, fwe)")  # fmt: skip
+    bench.add_argument("--min-full-score", type=float, default=0.3)
+    bench.add_argument("--screen-samples", type=int, default=20)
+    bench.add_argument(
+        "--corpora", type=comma_list(str), default=None, help="default: every eval.corpora corpus"
+    )
+    bench.add_argument("--text-contexts", type=comma_list(int), default=[2048, 4096],
+                       help="real-text prefix lengths (tokens); empty string for none")  # fmt: skip
+    bench.add_argument("--text-windows", type=comma_list(int), default=None,
+                       help="windows per corpus at each prefix length (default: 50 at 2K, 20 above)")  # fmt: skip
+    bench.add_argument("--continuation-tokens", type=int, default=128)
+    bench.add_argument("--no-oracle", action="store_true", help="skip the oracle row")
+    bench.add_argument("--essays-dir", default=str(ESSAYS_DIR), help="haystack essays ('' for RULER noise)")
+    bench.add_argument("--out", type=Path, default=None, help="default: eval/results/<model>")
+
+    report = commands.add_parser(
+        "report", help="rewrite tables, plots, headline and docs/eval.md from a benchmark.json"
+    )
+    report.add_argument("benchmark_json", type=Path)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def default_counts(lengths: list[int], counts: list[int] | None) -> dict[int, int]:
+    """``--samples``/``--text-windows`` per length (one number for all, or one per length)."""
+    if counts is None:
+        return {n: 50 if n <= 2048 else 20 for n in lengths}
+    if len(counts) == 1:
+        counts = counts * len(lengths)
+    if len(counts) != len(lengths):
+        raise SystemExit(f"give one count, or one per length ({len(lengths)}), got {counts}")
+    return dict(zip(lengths, counts, strict=True))
+
+
+def load_policy_if(name: str | None):
+    if not name:
+        return None
+    from kvp_cache.policy import load_policy
+
+    return load_policy(name)
+
+
+def run_sweep_command(args, model, tokenizer, policy) -> None:
+    from eval.sweep import SweepConfig, markdown_report, run_sweep, write_outputs
+
     config = SweepConfig(
         methods=parse_methods(args.methods, args.policy),
-        budgets=[parse_budget(b) for b in args.budgets.split(",")],
+        budgets=args.budgets if isinstance(args.budgets, list) else comma_list(parse_budget)(args.budgets),
         tasks=[t.strip() for t in args.task.split(",") if t.strip()],
         context_tokens=args.context_tokens,
         samples=args.samples,
@@ -83,27 +152,79 @@ def main(argv: list[str] | None = None) -> int:
         policy=args.policy,
         essays_dir=args.essays_dir,
         seed=args.seed,
+        split=args.split,
         sink_tokens=args.sink_tokens,
         window_tokens=args.window_tokens,
         max_new_tokens=args.max_new_tokens,
         separate_samples=args.separate_samples,
         separate_runs=args.separate_runs or None,
     )
+    header = provenance(args.model, next(model.parameters()).dtype, args.device, policy=policy)
+    result = {"provenance": header, **run_sweep(model, tokenizer, config, policy)}
+    paths = write_outputs(result, args.out)
+    print(markdown_report(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def run_benchmark_command(args, model, tokenizer, policy) -> None:
+    from eval.benchmark import Benchmark, BenchmarkConfig, benchmark_result
+    from eval.report import write_report
+
+    options = {
+        "tasks": args.tasks,
+        "screened_tasks": args.screened_tasks,
+        "corpora": args.corpora,
+    }
+    config = BenchmarkConfig(
+        methods=parse_methods(args.methods, args.policy),
+        policy=args.policy or None,
+        budgets=args.budgets,
+        protocols=args.protocols,
+        min_full_score=args.min_full_score,
+        screen_samples=args.screen_samples,
+        contexts=args.contexts,
+        samples=default_counts(args.contexts, args.samples),
+        text_contexts=args.text_contexts,
+        text_windows=default_counts(args.text_contexts, args.text_windows),
+        continuation_tokens=args.continuation_tokens,
+        oracle=not args.no_oracle,
+        essays_dir=args.essays_dir or None,
+        seed=args.seed,
+        sink_tokens=args.sink_tokens,
+        window_tokens=args.window_tokens,
+        **{name: value for name, value in options.items() if value is not None},
+    )
+    out = args.out or RESULTS / Path(args.model).name
+    benchmark = Benchmark(model, tokenizer, config, out, policy)
+    benchmark.run()
+    header = provenance(args.model, next(model.parameters()).dtype, args.device, policy=policy)
+    result = benchmark_result(config, out, benchmark.fingerprint, header)
+    path = out / "benchmark.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    paths = write_report(result, out)
+    print(f"wrote {path}, " + ", ".join(str(p) for p in paths))
+    if result["pending"]:
+        print(f"{len(result['pending'])} cells unfinished: run the same command again to resume")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "report":
+        from eval.report import write_report
+
+        result = json.loads(args.benchmark_json.read_text())
+        print("wrote " + ", ".join(str(p) for p in write_report(result, args.benchmark_json.parent)))
+        return 0
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    policy = None
-    if config.policy is not None:
-        from kvp_cache.policy import load_policy
-
-        policy = load_policy(config.policy)
+    policy = load_policy_if(args.policy)
     model, tokenizer = load_model(args.model, device=args.device)
-    result = run_sweep(model, tokenizer, config, policy)
-    result["config"]["model"] = args.model
-    paths = write_outputs(result, args.out)
-    print(markdown_report(result))
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    if args.command == "sweep":
+        run_sweep_command(args, model, tokenizer, policy)
+    else:
+        run_benchmark_command(args, model, tokenizer, policy)
     return 0
 
 

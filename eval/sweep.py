@@ -18,6 +18,7 @@ template's generation prompt and the answer prefix uncompressed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,11 +28,13 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from kvp_cache import KVPCache, available_methods, ruler
+from kvp_cache import KVPCache, ruler
 from kvp_cache.budget import Budget, validate_budget
 from kvp_cache.cache import EvictingLayer
-from kvp_cache.integrations import append_uncompressed, cache_kwarg, forward_tokens
+from kvp_cache.compat import cache_kwarg
+from kvp_cache.integrations import append_uncompressed, forward_tokens
 from kvp_cache.prefill import Prefill, generate_after_prefill, prefill
+from kvp_cache.scorers import Scorer, methods
 
 FULL = "full"
 """The method name of the uncompressed reference in records and tables."""
@@ -51,7 +54,10 @@ MAX_NEW_TOKENS = {
 
 @dataclass
 class SweepConfig:
-    """What to sweep. ``methods`` may include ``kvp`` only together with ``policy``."""
+    """What to sweep. ``methods`` may include learned ones (``kvp``) only together with ``policy``.
+
+    Samples come from ``split`` (``test`` for reported numbers, ``val`` for checkpoint selection).
+    """
 
     methods: list[str]
     budgets: list[Budget]
@@ -62,6 +68,7 @@ class SweepConfig:
     policy: str | None = None
     essays_dir: str | None = None
     seed: int = 0
+    split: str = "test"
     sink_tokens: int = 4
     window_tokens: int = 16
     max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS per task
@@ -69,15 +76,7 @@ class SweepConfig:
     separate_runs: int | None = None  # answers timed per such sample, spread over the grid (None: all)
 
     def __post_init__(self) -> None:
-        if not self.methods:
-            raise ValueError("methods is empty; choose from " + ", ".join(available_methods()))
-        unknown = sorted(set(self.methods) - set(available_methods()))
-        if unknown:
-            raise ValueError(f"unknown methods {unknown}; available: {', '.join(available_methods())}")
-        if "kvp" in self.methods and self.policy is None:
-            raise ValueError("method 'kvp' needs policy=<shipped name, directory or Hub id>")
-        if len(set(self.methods)) != len(self.methods):
-            raise ValueError(f"methods has duplicates: {self.methods}")
+        check_methods(self.methods, self.policy)
         if not self.budgets:
             raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
         self.budgets = [validate_budget(b) for b in self.budgets]
@@ -99,9 +98,26 @@ class SweepConfig:
             raise ValueError(f"separate_runs must be >= 1 or None (all), got {self.separate_runs}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.split not in ruler.SPLITS:
+            raise ValueError(f"split must be one of {', '.join(ruler.SPLITS)}, got {self.split!r}")
 
-    def new_tokens(self, task: str) -> int:
+    def answer_tokens(self, task: str) -> int:
+        """Greedy tokens decoded per answer of ``task``."""
         return self.max_new_tokens or MAX_NEW_TOKENS[task]
+
+
+def check_methods(names: list[str], policy) -> None:
+    """Raise ``ValueError`` for an empty, unknown or duplicated method list, or a learned method without ``policy``."""
+    if not names:
+        raise ValueError("methods is empty; choose from " + ", ".join(methods()))
+    unknown = sorted(set(names) - set(methods()))
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; available: {', '.join(methods())}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"methods has duplicates: {names}")
+    learned = sorted(set(names) & set(learned_methods()))
+    if learned and policy is None:
+        raise ValueError(f"method {learned[0]!r} needs policy=<shipped name, directory or Hub id>")
 
 
 @dataclass
@@ -151,87 +167,91 @@ def stack_caches(caches: list[KVPCache]) -> KVPCache:
     return stacked
 
 
-class Generator:
-    """Greedy answers of one model under the sweep's protocol, from a prefill or from scratch."""
+class AnswerDecoder:
+    """Greedy answers of one model under a protocol, from a shared prefill or from scratch.
 
-    def __init__(self, model: PreTrainedModel, tokenizer, config: SweepConfig, policy=None):
+    Every compressed cache comes from the one factory, ``KVPCache.from_prefill(prefilled, model,
+    method=..., policy=...)`` (``KVPCache(model, method=..., policy=...)`` for from-scratch runs);
+    ``method`` is a registry name or a ready :class:`~kvp_cache.scorers.Scorer` (the oracle).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer, sink_tokens: int, window_tokens: int, policy=None):
         self.model = model
         self.tokenizer = tokenizer
-        self.config = config
+        self.sink_tokens = sink_tokens
+        self.window_tokens = window_tokens
         self.policy = policy
         self.pad = {"pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id}
         self.generate_kwargs = {**self.pad, "do_sample": False}
 
-    def cache_options(self, method: str, budget: Budget) -> dict:
+    def cache_options(self, method: str | Scorer, budget: Budget) -> dict:
         options = dict(
-            budget=budget, sink_tokens=self.config.sink_tokens, window_tokens=self.config.window_tokens
+            method=method, budget=budget, sink_tokens=self.sink_tokens, window_tokens=self.window_tokens
         )
-        if method == "kvp":
+        if isinstance(method, str) and method in learned_methods():
             options["policy"] = self.policy
-        else:
-            options["method"] = method
         return options
 
-    def full_answer(self, prefilled: Prefill, prompt: Prompt, new: int) -> str:
-        """The reference: decoding from an uncompressed copy of the prefill."""
-        cache = copy.deepcopy(prefilled.cache)
-        if prompt.suffix.shape[1] == 0:
-            return self.decode(generate_after_prefill(self.model, prefilled, cache, new, **self.pad)[0])
-        return self.decode(self._after_suffix(cache, prompt, new)[0])
-
-    def budget_answers(
-        self, prefilled: Prefill, prompt: Prompt, methods: list[str], budget: Budget, new: int
-    ):
-        """Every method's answer at ``budget``: one compressed cache each, decoded together as a batch.
-
-        As :func:`kvp_cache.prefill.generate_after_prefill` does, the first answer token comes from
-        the exact prefill logits when the whole prompt was prefilled.
-        """
+    def compressed(self, prefilled: Prefill, methods: list, budget: Budget) -> KVPCache:
+        """One batch row per method: its compressed cache of the prefill, all at ``budget``."""
         caches = [
             KVPCache.from_prefill(prefilled, self.model, **self.cache_options(m, budget)) for m in methods
         ]
-        cache = stack_caches(caches)
-        del caches
+        return stack_caches(caches)
+
+    def full_answer(self, prefilled: Prefill, prompt: Prompt, max_new_tokens: int) -> str:
+        """The reference: decoding from an uncompressed copy of the prefill."""
+        cache = copy.deepcopy(prefilled.cache)
+        if prompt.suffix.shape[1] == 0:
+            tokens = generate_after_prefill(self.model, prefilled, cache, max_new_tokens, **self.pad)
+        else:
+            tokens = self._after_suffix(cache, prompt, max_new_tokens)
+        return self.decode(tokens[0])
+
+    def budget_answers(
+        self, prefilled: Prefill, prompt: Prompt, methods: list, budget: Budget, max_new_tokens: int
+    ) -> list[str]:
+        """Every method's answer at ``budget``: one compressed cache each, decoded together as a batch.
+
+        The first answer token comes from the exact prefill logits when the whole prompt was
+        prefilled (:func:`kvp_cache.prefill.generate_after_prefill`).
+        """
+        cache = self.compressed(prefilled, methods, budget)
         rows = len(methods)
         if prompt.suffix.shape[1] > 0:
-            return [self.decode(tokens) for tokens in self._after_suffix(cache, prompt, new, rows)]
-        first = prefilled.next_token_logits.argmax(-1, keepdim=True).expand(rows, 1)
-        if new == 1:
-            return [self.decode(tokens) for tokens in first]
-        ids = torch.cat([prefilled.input_ids.expand(rows, -1), first], dim=-1)
-        out = self.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new - 1,
-            **{cache_kwarg(self.model): cache},
-            **self.generate_kwargs,
-        )
-        return [self.decode(tokens) for tokens in out[:, prefilled.input_ids.shape[1] :]]
+            tokens = self._after_suffix(cache, prompt, max_new_tokens, rows)
+        else:
+            input_ids = prefilled.input_ids.expand(rows, -1)
+            batch = dataclasses.replace(
+                prefilled,
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                next_token_logits=prefilled.next_token_logits.expand(rows, -1),
+            )
+            tokens = generate_after_prefill(self.model, batch, cache, max_new_tokens, **self.pad)
+        return [self.decode(row) for row in tokens]
 
-    def from_scratch(self, prompt: Prompt, method: str, budget: Budget | None, new: int) -> str:
+    def from_scratch(self, prompt: Prompt, method: str, budget: Budget | None, max_new_tokens: int) -> str:
         """One answer the way a single run gets it: its own prefill, then ``generate``."""
         if method == FULL:
-            out = self.model.generate(prompt.full, max_new_tokens=new, **self.generate_kwargs)
+            out = self.model.generate(prompt.full, max_new_tokens=max_new_tokens, **self.generate_kwargs)
             return self.decode(out[0, prompt.full.shape[1] :])
-        options = self.cache_options(method, budget)
-        policy = options.pop("policy", None)
-        if policy is not None:
-            cache = KVPCache.from_pretrained(policy, model=self.model, **options)
-        else:
-            cache = KVPCache(self.model, **options)
+        cache = KVPCache(self.model, **self.cache_options(method, budget))
         if prompt.suffix.shape[1] == 0:
             kwargs = {cache_kwarg(self.model): cache, **self.generate_kwargs}
-            out = self.model.generate(prompt.full, max_new_tokens=new, **kwargs)
+            out = self.model.generate(prompt.full, max_new_tokens=max_new_tokens, **kwargs)
             return self.decode(out[0, prompt.full.shape[1] :])
         forward_tokens(self.model, cache, prompt.prefix, logits_to_keep=1)
-        return self.decode(self._after_suffix(cache, prompt, new)[0])
+        return self.decode(self._after_suffix(cache, prompt, max_new_tokens)[0])
 
-    def _after_suffix(self, cache, prompt: Prompt, new: int, rows: int = 1) -> torch.Tensor:
+    def _after_suffix(self, cache, prompt: Prompt, max_new_tokens: int, rows: int = 1) -> torch.Tensor:
         """Append the suffix but its last token uncompressed, generate from the last token; ``[rows, new]``."""
         append_uncompressed(self.model, cache, prompt.suffix[:, :-1].expand(rows, -1))
         ids = prompt.full.expand(rows, -1)
         kwargs = {cache_kwarg(self.model): cache, **self.generate_kwargs}
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, **kwargs)
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs
+        )
         return out[:, ids.shape[1] :]
 
     def decode(self, tokens: torch.Tensor) -> str:
@@ -242,60 +262,102 @@ class Generator:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def learned_methods() -> list[str]:
+    """Registry methods that need a trained policy (``policy=``)."""
+    return methods(learned=True)
+
+
+def all_answers(
+    decoder: AnswerDecoder, prompt: Prompt, methods: list, budgets: list[Budget], max_new_tokens: int
+) -> dict[tuple, str]:
+    """:func:`answers_from_prefill` after ONE prefill of ``prompt.prefix``."""
+    with torch.no_grad():
+        prefilled = prefill(decoder.model, prompt.prefix)
+    return answers_from_prefill(decoder, prefilled, prompt, methods, budgets, max_new_tokens)
+
+
+@torch.no_grad()
+def answers_from_prefill(
+    decoder: AnswerDecoder,
+    prefilled: Prefill,
+    prompt: Prompt,
+    methods: list,
+    budgets: list[Budget],
+    max_new_tokens: int,
+) -> dict[tuple, str]:
+    """``{(method name, budget): answer}`` for the full cache (``(FULL, None)``) and every (method,
+    budget), all from ``prefilled``; ``methods`` are names or Scorer instances."""
+    names = [m if isinstance(m, str) else m.name for m in methods]
+    answers = {(FULL, None): decoder.full_answer(prefilled, prompt, max_new_tokens)}
+    for budget in budgets:
+        batch = decoder.budget_answers(prefilled, prompt, methods, budget, max_new_tokens)
+        answers.update({(name, budget): a for name, a in zip(names, batch, strict=True)})
+    return answers
+
+
+def answer_records(task: str, index: int, sample: ruler.Sample, prompt: Prompt, answers: dict) -> list[dict]:
+    return [
+        {
+            "task": task,
+            "index": index,
+            "method": method,
+            "budget": budget,
+            "prompt_tokens": prompt.full.shape[1],
+            "prediction": prediction,
+            "answers": sample.answers,
+            "score": ruler.score(sample, prediction),
+        }
+        for (method, budget), prediction in answers.items()
+    ]
+
+
+def time_separate_runs(
+    decoder: AnswerDecoder, prompt: Prompt, grid: list, answers: dict, max_new_tokens: int
+):
+    """Each grid answer again as its own run (own prefill, then generate): seconds and same-answer check."""
+    runs = []
+    for method, budget in grid:
+        start = time.perf_counter()
+        with torch.no_grad():
+            prediction = decoder.from_scratch(prompt, method, budget, max_new_tokens)
+        seconds = time.perf_counter() - start
+        runs.append(
+            {
+                "method": method,
+                "budget": budget,
+                "seconds": seconds,
+                "same_answer": prediction == answers[(method, budget)],
+                "prediction": prediction,
+            }
+        )
+    return runs
+
+
 def run_sweep(model: PreTrainedModel, tokenizer, config: SweepConfig, policy=None) -> dict:
-    """Run the sweep; returns a JSON-able dict with the config, per-answer records, tables and timings."""
+    """Run the sweep; returns a JSON-able dict with the config, per-answer records, tables and timings
+    (the caller puts :func:`kvp_cache.provenance.provenance` on top)."""
     device = next(model.parameters()).device
-    generator = Generator(model, tokenizer, config, policy)
+    decoder = AnswerDecoder(model, tokenizer, config.sink_tokens, config.window_tokens, policy)
     haystack = ruler.load_haystack(config.essays_dir)
     grid = [(FULL, None)] + [(m, b) for m in config.methods for b in config.budgets]
     records: list[dict] = []
     timing = {"sweep_seconds": {}, "separate": []}
     for task in config.tasks:
         samples = ruler.make_samples(
-            task, tokenizer, config.context_tokens, config.samples, config.seed, haystack
+            task, tokenizer, config.context_tokens, config.samples, config.seed, haystack, split=config.split
         )
-        new = config.new_tokens(task)
+        max_new_tokens = config.answer_tokens(task)
         sweep_seconds = []
         for index, sample in enumerate(tqdm(samples, desc=f"sweep {task}", unit="sample")):
             prompt = encode_prompt(sample, tokenizer, config.question_after, device)
             start = time.perf_counter()
-            with torch.no_grad():
-                prefilled = prefill(model, prompt.prefix)
-                answers = {(FULL, None): generator.full_answer(prefilled, prompt, new)}
-                for budget in config.budgets:
-                    batch = generator.budget_answers(prefilled, prompt, config.methods, budget, new)
-                    answers.update({(m, budget): a for m, a in zip(config.methods, batch, strict=True)})
+            answers = all_answers(decoder, prompt, config.methods, config.budgets, max_new_tokens)
             sweep_seconds.append(time.perf_counter() - start)
-            del prefilled
-            for (method, budget), prediction in answers.items():
-                records.append(
-                    {
-                        "task": task,
-                        "index": index,
-                        "method": method,
-                        "budget": budget,
-                        "prompt_tokens": prompt.full.shape[1],
-                        "prediction": prediction,
-                        "answers": sample.answers,
-                        "score": ruler.score(sample, prediction),
-                    }
-                )
+            records += answer_records(task, index, sample, prompt, answers)
             if len(timing["separate"]) < config.separate_samples:
-                runs = []
-                for method, budget in spread(grid, config.separate_runs):
-                    start = time.perf_counter()
-                    with torch.no_grad():
-                        prediction = generator.from_scratch(prompt, method, budget, new)
-                    seconds = time.perf_counter() - start
-                    runs.append(
-                        {
-                            "method": method,
-                            "budget": budget,
-                            "seconds": seconds,
-                            "same_answer": prediction == answers[(method, budget)],
-                            "prediction": prediction,
-                        }
-                    )
+                runs = time_separate_runs(
+                    decoder, prompt, spread(grid, config.separate_runs), answers, max_new_tokens
+                )
                 timing["separate"].append(
                     {"task": task, "index": index, "sweep_seconds": sweep_seconds[-1], "runs": runs}
                 )

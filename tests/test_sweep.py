@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from conftest import tiny_model
+from transformers import AutoTokenizer
 
-# `eval` is a repo-level package run from a checkout (python -m eval); make it importable under pytest.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval.__main__ import main, parse_methods  # noqa: E402
-from eval.sweep import (  # noqa: E402
+from eval.__main__ import main, parse_methods
+from eval.sweep import (
     FULL,
-    Generator,
+    AnswerDecoder,
     SweepConfig,
     encode_prompt,
     run_sweep,
@@ -24,29 +20,37 @@ from eval.sweep import (  # noqa: E402
     stack_caches,
     write_outputs,
 )
-from kvp_cache import KVPCache, available_methods, ruler  # noqa: E402
-from kvp_cache.budget import parse_budget  # noqa: E402
-from kvp_cache.prefill import generate_after_prefill, prefill  # noqa: E402
+from kvp_cache import KVPCache, ruler
+from kvp_cache.budget import parse_budget
+from kvp_cache.models import MODELS
+from kvp_cache.prefill import generate_after_prefill, prefill
+from kvp_cache.scorers import methods
+
+PROVENANCE_FIELDS = {
+    "command",
+    "kvp_cache",
+    "git_commit",
+    "versions",
+    "device",
+    "dtype",
+    "threads",
+    "model",
+    "policy",
+}
+
+
+def tiny_with_chat_tokenizer():
+    """The conftest tiny Llama, its vocabulary grown to SmolLM2's tokenizer (whose chat template
+    RULER prompts use)."""
+    tokenizer = AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
+    model = tiny_model("llama")
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A tiny random Llama with SmolLM2's tokenizer (which has the chat template RULER prompts use)."""
-    from kvp_cache.models import MODELS
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    return AutoModelForCausalLM.from_config(config).eval(), AutoTokenizer.from_pretrained(
-        MODELS["smollm2"].converted_dir()
-    )
+    return tiny_with_chat_tokenizer()
 
 
 def small_config(**overrides) -> SweepConfig:
@@ -83,7 +87,8 @@ def test_full_cache_answer_is_plain_generate(tiny):
     sample = ruler.make_samples("niah_single", tokenizer, 192, 1)[0]
     prompt = encode_prompt(sample, tokenizer, False, torch.device("cpu"))
     out = model.generate(prompt.full, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    expected = Generator(model, tokenizer, config).decode(out[0, prompt.full.shape[1] :])
+    decoder = AnswerDecoder(model, tokenizer, config.sink_tokens, config.window_tokens)
+    expected = decoder.decode(out[0, prompt.full.shape[1] :])
     record = next(r for r in run_sweep(model, tokenizer, config)["records"] if r["method"] == FULL)
     assert record["prediction"] == expected
 
@@ -152,6 +157,7 @@ def test_tables_are_means_of_records(tiny):
 def test_outputs_and_cli(tiny, tmp_path, monkeypatch):
     model, tokenizer = tiny
     monkeypatch.setattr("eval.__main__.load_model", lambda name, device: (model, tokenizer))
+    monkeypatch.setattr("sys.argv", ["python -m eval", "sweep"])
     out = tmp_path / "sweep"
     code = main(
         ["sweep", "--methods", "knorm,tova", "--budgets", "0.5,8", "--task", "niah_single", "--context-tokens", "160",
@@ -160,6 +166,12 @@ def test_outputs_and_cli(tiny, tmp_path, monkeypatch):
     assert code == 0
     result = json.loads((out / "results.json").read_text())
     assert result["config"]["budgets"] == [0.5, 8] and result["cost"]["separate_timed_runs"] == 2
+    assert next(iter(result)) == "provenance" and set(result["provenance"]) == PROVENANCE_FIELDS
+    assert (
+        result["provenance"]["command"] == "python -m eval sweep" and result["provenance"]["policy"] is None
+    )
+    assert result["provenance"]["model"] == "smollm2" and result["provenance"]["dtype"] == "float32"
+    assert set(result["provenance"]["versions"]) >= {"torch", "transformers", "lm_eval"}
     table = (out / "table.md").read_text()
     assert "| full cache |" in table and "| tova |" in table and "budget 8" in table
     assert (out / "accuracy_vs_budget.png").read_bytes()[:4] == b"\x89PNG"
@@ -181,11 +193,13 @@ def test_config_errors():
         small_config(separate_samples=5)
     with pytest.raises(ValueError, match="samples"):
         small_config(samples=0)
+    with pytest.raises(ValueError, match="split must be one of train, val, test"):
+        small_config(split="eval")
 
 
 def test_parsers_and_spread():
     assert parse_budget("0.25") == 0.25 and parse_budget("128") == 128
-    assert parse_methods("all", None) == [m for m in available_methods() if m != "kvp"]
+    assert parse_methods("all", None) == methods(learned=False)
     assert "kvp" in parse_methods("all", "some-policy")
     assert parse_methods("knorm, tova", None) == ["knorm", "tova"]
     grid = list(range(10))

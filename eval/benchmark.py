@@ -1,0 +1,478 @@
+"""``python -m eval benchmark``: the canonical report, ``eval/results/<model>/benchmark.json``.
+
+Three protocols, every method at every budget, plus the full cache and the oracle (:mod:`eval.oracle`):
+
+- ``question_in``: a RULER-style needle prompt is compressed whole, question included (the paper's);
+- ``question_after``: the context is compressed, then the question is asked on the compressed cache;
+- ``perplexity``: a held-out real-text prefix (:mod:`eval.corpora`) is compressed and the next
+  ``continuation_tokens`` tokens are scored (:mod:`eval.realtext`).
+
+Needle samples come from the ``test`` split of :mod:`kvp_cache.ruler`, so none of them, nor their
+needles, depths or haystack windows, was seen in training. Besides the ``niah_*`` tasks, every other
+task whose full-cache accuracy reaches ``min_full_score`` (screened on its own samples) is
+benchmarked; the rest are listed as excluded with their full-cache scores.
+
+Every sample is prefilled ONCE; every (method, budget) is compressed from that prefill
+(``KVPCache.from_prefill``) and all methods of one budget decode together as one batch. Each
+finished sample is appended to a per-cell JSONL shard under ``<out>/shards``, so an interrupted run
+resumes where it stopped; ``benchmark.json`` holds one flat row per cell, built from the shards
+(:func:`collect_rows`), under the provenance of the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eval import realtext
+from eval.corpora import CORPORA, corpus
+from eval.oracle import ORACLE, oracle_scorer
+from eval.stats import bootstrap_interval, wilson_interval
+from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, answers_from_prefill, check_methods, encode_prompt
+from kvp_cache import ruler
+from kvp_cache.budget import Budget, validate_budget
+from kvp_cache.prefill import prefill
+from kvp_cache.scorers import Scorer, make_scorer, methods
+from train.data import gold_answer_ids
+
+NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
+NEEDLE_PROTOCOLS = ("question_in", "question_after")
+PERPLEXITY = "perplexity"
+ALL = "all"
+"""The task or corpus of pooled rows: every sample of every task (corpus) of one protocol and length."""
+
+
+@dataclass
+class BenchmarkConfig:
+    """What the benchmark covers; the defaults are the canonical SmolLM2 report.
+
+    samples: needle samples per task at each context length (``contexts`` must all be keys);
+    text_windows: real-text windows per corpus at each prefix length (``text_contexts`` keys).
+    """
+
+    methods: list[str]
+    policy: str | None = None
+    budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
+    protocols: list[str] = field(default_factory=lambda: list(NEEDLE_PROTOCOLS))
+    tasks: list[str] = field(default_factory=lambda: list(NEEDLE_TASKS))
+    screened_tasks: list[str] = field(default_factory=lambda: list(SCREENED_TASKS))
+    min_full_score: float = 0.3
+    screen_samples: int = 20
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    samples: dict[int, int] = field(default_factory=lambda: {1024: 50, 2048: 50, 4096: 20, 8192: 20})
+    corpora: list[str] = field(default_factory=lambda: list(CORPORA))
+    text_contexts: list[int] = field(default_factory=lambda: [2048, 4096])
+    text_windows: dict[int, int] = field(default_factory=lambda: {2048: 50, 4096: 20})
+    continuation_tokens: int = 128
+    oracle: bool = True
+    essays_dir: str | None = None
+    seed: int = 0
+    sink_tokens: int = 4
+    window_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        check_methods(self.methods, self.policy)
+        if not self.budgets:
+            raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
+        self.budgets = [validate_budget(b) for b in self.budgets]
+        self.samples = {int(k): v for k, v in self.samples.items()}
+        self.text_windows = {int(k): v for k, v in self.text_windows.items()}
+        unknown = sorted(set(self.protocols) - set(NEEDLE_PROTOCOLS))
+        if unknown:
+            raise ValueError(f"protocols must be among {', '.join(NEEDLE_PROTOCOLS)}; got {unknown}")
+        unknown = sorted(set(self.tasks + self.screened_tasks) - set(ruler.TASKS))
+        if unknown:
+            raise ValueError(f"tasks must be among {', '.join(ruler.TASKS)}; got {unknown}")
+        unknown = sorted(set(self.corpora) - set(CORPORA))
+        if unknown:
+            raise ValueError(f"corpora must be among {', '.join(CORPORA)}; got {unknown}")
+        for name, lengths, counts in (
+            ("contexts", self.contexts, self.samples),
+            ("text_contexts", self.text_contexts, self.text_windows),
+        ):
+            missing = [n for n in lengths if n not in counts]
+            if missing:
+                raise ValueError(f"{name} {missing} have no sample count; add them to the counts {counts}")
+            if any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in lengths):
+                raise ValueError(f"{name} must be ints >= 64 tokens, got {lengths}")
+        counts = [*self.samples.values(), *self.text_windows.values(), self.screen_samples]
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"sample counts must be ints >= 1, got {counts}")
+        if not 0.0 <= self.min_full_score <= 1.0:
+            raise ValueError(f"min_full_score must be in [0, 1], got {self.min_full_score}")
+        if self.continuation_tokens < 1:
+            raise ValueError(f"continuation_tokens must be >= 1, got {self.continuation_tokens}")
+
+    def row_methods(self) -> list[str]:
+        """The compressed methods of every cell, the oracle last."""
+        return self.methods + ([ORACLE] if self.oracle else [])
+
+    def fingerprint(self, policy_sha256: str | None) -> str:
+        """What a shard record depends on; records of another fingerprint are recomputed."""
+        keys = {
+            "methods": self.row_methods(),
+            "budgets": self.budgets,
+            "policy": policy_sha256,
+            "seed": self.seed,
+            "essays_dir": Path(self.essays_dir).name if self.essays_dir else None,
+            "sink": self.sink_tokens,
+            "window": self.window_tokens,
+            "continuation": self.continuation_tokens,
+        }
+        return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def method_key(method: str, budget: Budget | None) -> str:
+    """How a shard record names an answer: ``full`` or ``<method>@<budget>``."""
+    return FULL if budget is None else f"{method}@{budget}"
+
+
+class Shard:
+    """One cell's finished samples, one JSON line each (append-only; a torn last line is ignored)."""
+
+    def __init__(self, path: Path, fingerprint: str):
+        self.path = path
+        self.fingerprint = fingerprint
+
+    def records(self) -> dict[int, dict]:
+        found: dict[int, dict] = {}
+        if not self.path.exists():
+            return found
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # an interrupted write
+            if record.get("fingerprint") == self.fingerprint:
+                found[record["index"]] = record
+        return found
+
+    def append(self, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = (
+            self.path.exists() and not self.path.read_bytes().endswith(b"\n") and self.path.stat().st_size > 0
+        )
+        with self.path.open("a", encoding="utf-8") as handle:
+            # After an interrupted write, start on a new line so the torn one stays alone.
+            handle.write(
+                ("\n" if torn else "") + json.dumps({**record, "fingerprint": self.fingerprint}) + "\n"
+            )
+
+
+class Benchmark:
+    """Runs the cells of a :class:`BenchmarkConfig` into shards under ``out / "shards"``."""
+
+    def __init__(self, model, tokenizer, config: BenchmarkConfig, out: Path, policy=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.out = Path(out)
+        self.device = next(model.parameters()).device
+        self.decoder = AnswerDecoder(model, tokenizer, config.sink_tokens, config.window_tokens, policy)
+        self.fingerprint = config.fingerprint(getattr(policy, "weights_sha256", None))
+        self.haystack = ruler.load_haystack(config.essays_dir)
+
+    def shard(self, *parts: object) -> Shard:
+        return Shard(self.out / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), self.fingerprint)
+
+    def run(self) -> None:
+        """Every cell, shortest contexts first; finished samples are skipped."""
+        for context in self.config.contexts:
+            tasks = self.config.tasks + [
+                t for t in self.config.screened_tasks if self.passes_screen(t, context)
+            ]
+            for protocol in self.config.protocols:
+                for task in tasks:
+                    self.run_needle_cell(protocol, task, context)
+        for context in self.config.text_contexts:
+            for name in self.config.corpora:
+                self.run_text_cell(name, context)
+
+    def samples(self, task: str, context: int, count: int) -> list[ruler.Sample]:
+        return ruler.make_samples(
+            task, self.tokenizer, context, count, self.config.seed, self.haystack, split="test"
+        )
+
+    def passes_screen(self, task: str, context: int) -> bool:
+        """Full-cache accuracy of ``task`` at ``context`` (question inside) reaches ``min_full_score``."""
+        shard = self.shard("screen", task, context)
+        done = shard.records()
+        samples = self.samples(task, context, self.config.screen_samples)
+        for index, sample in enumerate(tqdm(samples, desc=f"screen {task} {context}", unit="sample")):
+            if index in done:
+                continue
+            prompt = encode_prompt(sample, self.tokenizer, False, self.device)
+            with torch.no_grad():
+                prefilled = prefill(self.model, prompt.prefix)
+                prediction = self.decoder.full_answer(prefilled, prompt, MAX_NEW_TOKENS[task])
+            shard.append(
+                {
+                    "index": index,
+                    "predictions": {FULL: prediction},
+                    "scores": {FULL: ruler.score(sample, prediction)},
+                }
+            )
+        scores = [r["scores"][FULL] for r in shard.records().values()]
+        return sum(scores) / len(scores) >= self.config.min_full_score
+
+    def run_needle_cell(self, protocol: str, task: str, context: int) -> None:
+        shard = self.shard(protocol, task, context)
+        done = shard.records()
+        samples = self.samples(task, context, self.config.samples[context])
+        question_after = protocol == "question_after"
+        max_new_tokens = MAX_NEW_TOKENS[task]
+        bar = tqdm(samples, desc=f"{protocol} {task} {context}", unit="sample")
+        for index, sample in enumerate(bar):
+            if index in done:
+                continue
+            start, cpu_start = time.perf_counter(), time.process_time()
+            prompt = encode_prompt(sample, self.tokenizer, question_after, self.device)
+            with torch.no_grad():
+                prefilled = prefill(self.model, prompt.prefix)
+            future = ids(prompt.suffix) + gold_answer_ids(sample, self.tokenizer)
+            methods = self.scorers(prefilled, future)
+            answers = answers_from_prefill(
+                self.decoder, prefilled, prompt, methods, self.config.budgets, max_new_tokens
+            )
+            predictions = {method_key(method, budget): text for (method, budget), text in answers.items()}
+            shard.append(
+                {
+                    "index": index,
+                    "prompt_tokens": prompt.full.shape[1],
+                    "answers": sample.answers,
+                    "predictions": predictions,
+                    "scores": {key: ruler.score(sample, text) for key, text in predictions.items()},
+                    "seconds": time.perf_counter() - start,
+                    "cpu_seconds": time.process_time() - cpu_start,
+                }
+            )
+
+    def scorers(self, prefilled, future_ids: list[int]) -> list[Scorer]:
+        """One sample's scorers: each method's, scoring each layer once for all budgets, then the oracle."""
+        scorers = [scored_once(make_scorer(m, **self.method_options(m))) for m in self.config.methods]
+        if self.config.oracle:
+            scorers.append(oracle_scorer(self.model, prefilled, future_ids))
+        return scorers
+
+    def method_options(self, method: str) -> dict:
+        return {"policy": self.decoder.policy} if method in methods(learned=True) else {}
+
+    def run_text_cell(self, name: str, context: int) -> None:
+        shard = self.shard(PERPLEXITY, name, context)
+        done = shard.records()
+        stream = realtext.corpus_tokens(name, self.tokenizer)
+        length = context + self.config.continuation_tokens
+        windows = realtext.windows(stream, length, self.config.text_windows[context])
+        for index, window in enumerate(tqdm(windows, desc=f"{PERPLEXITY} {name} {context}", unit="window")):
+            if index in done:
+                continue
+            start, cpu_start = time.perf_counter(), time.process_time()
+            window = window.to(self.device)
+            prefix, continuation = window[:, :context], window[:, context:]
+            with torch.no_grad():
+                prefilled = prefill(self.model, prefix)
+                methods = self.scorers(prefilled, ids(continuation))
+                full = realtext.continuation_nll(
+                    self.model, prefilled, copy.deepcopy(prefilled.cache), continuation
+                )
+                nll = {FULL: full.item()}
+                for budget in self.config.budgets:
+                    cache = self.decoder.compressed(prefilled, methods, budget)
+                    values = realtext.continuation_nll(self.model, prefilled, cache, continuation)
+                    nll.update(
+                        {
+                            method_key(n, budget): v
+                            for n, v in zip(self.config.row_methods(), values.tolist(), strict=True)
+                        }
+                    )
+            shard.append(
+                {
+                    "index": index,
+                    "nll": nll,
+                    "seconds": time.perf_counter() - start,
+                    "cpu_seconds": time.process_time() - cpu_start,
+                }
+            )
+
+
+_SCORED_ONCE: dict[type, type] = {}
+
+
+def scored_once(scorer: Scorer) -> Scorer:
+    """``scorer``, changed to compute each layer's scores once and return them on later calls.
+
+    A method's scores depend on the prefill, never on the budget, so the caches of one sample at
+    every budget share them (H2O's, quadratic in the prompt, would otherwise dominate long contexts).
+    Use it for one prefill only.
+    """
+    cls = type(scorer)
+    if cls not in _SCORED_ONCE:
+
+        def score(self, keys, values, positions, queries=None, layer_idx=0):
+            key = (layer_idx, tuple(keys.shape))
+            if key not in self.memo:
+                self.memo[key] = cls.score(self, keys, values, positions, queries, layer_idx)
+            return self.memo[key]
+
+        _SCORED_ONCE[cls] = type(cls.__name__, (cls,), {"score": score, "__doc__": cls.__doc__})
+    scorer.__class__ = _SCORED_ONCE[cls]
+    scorer.memo = {}
+    return scorer
+
+
+def ids(tokens: torch.Tensor) -> list[int]:
+    """The token ids of a batch-1 ``[1, n]`` tensor."""
+    return tokens[0].tolist()
+
+
+def needle_rows(
+    config: BenchmarkConfig, protocol: str, task: str, context: int, records: list[dict]
+) -> list[dict]:
+    """Rows of one needle cell: the full cache, then every method x budget (accuracy, Wilson CI)."""
+    rows = []
+    for method, budget in [(FULL, None)] + [(m, b) for m in config.row_methods() for b in config.budgets]:
+        scores = [r["scores"][method_key(method, budget)] for r in records]
+        rows.append(
+            {
+                "protocol": protocol,
+                "task": task,
+                "context_tokens": context,
+                "method": method,
+                "budget": budget,
+                "n": len(scores),
+                "metric": "accuracy",
+                "score": sum(scores) / len(scores),
+                "ci95": list(wilson_interval(scores)),
+            }
+        )
+    return rows
+
+
+def text_rows(config: BenchmarkConfig, name: str, context: int, records: list[dict]) -> list[dict]:
+    """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs)."""
+    full = [r["nll"][FULL] for r in records]
+    rows = []
+    for method, budget in [(FULL, None)] + [(m, b) for m in config.row_methods() for b in config.budgets]:
+        nll = [r["nll"][method_key(method, budget)] for r in records]
+        increase = [a - b for a, b in zip(nll, full, strict=True)]
+        rows.append(
+            {
+                "protocol": PERPLEXITY,
+                "corpus": name,
+                "kind": corpus(name).kind if name != ALL else ALL,
+                "context_tokens": context,
+                "method": method,
+                "budget": budget,
+                "n": len(nll),
+                "metric": "nll_increase",
+                "score": sum(increase) / len(increase),
+                "ci95": list(bootstrap_interval(increase)),
+                "nll": sum(nll) / len(nll),
+                "nll_ci95": list(bootstrap_interval(nll)),
+            }
+        )
+    return rows
+
+
+def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
+    for context in config.contexts:
+        for protocol in config.protocols:
+            for task in config.tasks + config.screened_tasks:
+                yield protocol, task, context
+
+
+def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
+    """``rows`` of every cell with all its samples done, plus ``pending`` cells and ``excluded`` tasks."""
+    shards = Path(out) / "shards"
+
+    def records(*parts) -> dict[int, dict]:
+        return Shard(shards / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint).records()
+
+    rows, pending, excluded, seconds = [], [], [], {}
+    pooled_scores: dict[tuple, list[dict]] = {}
+    for context in config.contexts:
+        for task in config.screened_tasks:
+            screen = [r["scores"][FULL] for r in records("screen", task, context).values()]
+            if len(screen) >= config.screen_samples and sum(screen) / len(screen) < config.min_full_score:
+                excluded.append(
+                    {
+                        "task": task,
+                        "context_tokens": context,
+                        "protocol": "question_in",
+                        "n": len(screen),
+                        "full_score": sum(screen) / len(screen),
+                        "ci95": list(wilson_interval(screen)),
+                    }
+                )
+    skipped = {(e["task"], e["context_tokens"]) for e in excluded}
+    for protocol, task, context in _cells(config):
+        if (task, context) in skipped:
+            continue
+        found = records(protocol, task, context)
+        wanted = config.samples[context]
+        done = [found[i] for i in range(wanted) if i in found]
+        if len(done) < wanted:
+            pending.append(
+                {
+                    "protocol": protocol,
+                    "task": task,
+                    "context_tokens": context,
+                    "done": len(done),
+                    "n": wanted,
+                }
+            )
+            continue
+        rows += needle_rows(config, protocol, task, context, done)
+        pooled_scores.setdefault((protocol, context), []).extend(done)
+        seconds[f"{protocol}/{task}/{context}"] = sum(r["seconds"] for r in done)
+    unfinished = {(p["protocol"], p["context_tokens"]) for p in pending}
+    for (protocol, context), done in pooled_scores.items():
+        if (protocol, context) not in unfinished:
+            rows += needle_rows(config, protocol, ALL, context, done)
+    for context in config.text_contexts:
+        for name in config.corpora:
+            found = records(PERPLEXITY, name, context)
+            wanted = config.text_windows[context]
+            done = [found[i] for i in range(wanted) if i in found]
+            if len(done) < wanted:
+                pending.append(
+                    {
+                        "protocol": PERPLEXITY,
+                        "corpus": name,
+                        "context_tokens": context,
+                        "done": len(done),
+                        "n": wanted,
+                    }
+                )
+                continue
+            rows += text_rows(config, name, context, done)
+            pooled_scores.setdefault((PERPLEXITY, context), []).extend(done)
+            seconds[f"{PERPLEXITY}/{name}/{context}"] = sum(r["seconds"] for r in done)
+        finished = not any(p["protocol"] == PERPLEXITY and p["context_tokens"] == context for p in pending)
+        if finished and pooled_scores.get((PERPLEXITY, context)):
+            rows += text_rows(config, ALL, context, pooled_scores[(PERPLEXITY, context)])
+    return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
+
+
+def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: str, provenance: dict) -> dict:
+    """The contents of ``benchmark.json``: provenance first, then config, corpora, rows."""
+    collected = collect_rows(config, out, fingerprint)
+    return {
+        "provenance": provenance,
+        "config": asdict(config),
+        "corpora": {
+            name: {"kind": corpus(name).kind, "requirement": corpus(name).requirement}
+            for name in config.corpora
+        },
+        "fingerprint": fingerprint,
+        **collected,
+    }

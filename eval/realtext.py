@@ -1,0 +1,62 @@
+"""The real-text perplexity protocol: compress a long prefix, score the true continuation.
+
+A window of a held-out corpus (:mod:`eval.corpora`) is ``prefix_tokens + continuation_tokens``
+long. The prefix is prefilled once; each (method, budget) compresses it, then ONE forward of the
+continuation on the compressed cache gives the logits of every continuation token. Those logits
+are exact whatever the cache does after that forward (its eviction at the end of the forward
+cannot change them), and the first continuation token comes from the prefill's own logits, which
+are the same for every method. The score is the mean NLL per continuation token.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from eval.corpora import corpus
+from kvp_cache.integrations import forward_tokens
+from kvp_cache.prefill import Prefill
+
+
+@lru_cache(maxsize=4)
+def corpus_tokens(name: str, tokenizer) -> torch.Tensor:
+    """The corpus as one ``[tokens]`` stream: its documents tokenized, joined by a blank line."""
+    separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    for document in corpus(name).documents():
+        ids += tokenizer(document, add_special_tokens=False)["input_ids"] + separator
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(stream: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
+    """``count`` non-overlapping ``[1, length]`` windows of ``stream`` ``[tokens]``, evenly spread over it."""
+    if length < 2:
+        raise ValueError(f"length must be >= 2 (a prefix and a continuation token), got {length}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    total = stream.shape[0]
+    if count * length > total:
+        raise ValueError(
+            f"the corpus has {total} tokens: too few for {count} windows of {length}; lower the count"
+        )
+    stride = (total - length) // max(count - 1, 1)
+    return [stream[i * stride : i * stride + length][None] for i in range(count)]
+
+
+@torch.no_grad()
+def continuation_nll(model, prefilled: Prefill, cache, continuation: torch.Tensor) -> torch.Tensor:
+    """Mean NLL per token ``[rows]`` of ``continuation`` (``[1, c]``) after the prefilled prefix.
+
+    ``cache`` holds the prefix for ``rows`` rows (a stack of compressed caches, or an uncompressed
+    copy of ``prefilled.cache``); it is consumed.
+    """
+    rows = cache.layers[0].keys.shape[0]
+    target = continuation.expand(rows, -1)
+    first = F.cross_entropy(prefilled.next_token_logits.expand(rows, -1), target[:, 0], reduction="none")
+    if target.shape[1] == 1:
+        return first
+    logits = forward_tokens(model, cache, target[:, :-1]).float()
+    rest = F.cross_entropy(logits.transpose(1, 2), target[:, 1:], reduction="none")
+    return (first + rest.sum(-1)) / target.shape[1]

@@ -1,0 +1,316 @@
+"""The benchmark (eval/benchmark.py): row schema, provenance, statistics, resuming, oracle, real text."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+from test_sweep import PROVENANCE_FIELDS, tiny_with_chat_tokenizer
+
+from eval import realtext
+from eval.__main__ import main
+from eval.benchmark import ALL, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
+from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
+from eval.oracle import ORACLE, OracleScorer, oracle_scorer
+from eval.report import headline, update_docs
+from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
+from eval.sweep import FULL
+from kvp_cache import KVPCache
+from kvp_cache.compat import cache_kwarg
+from kvp_cache.prefill import prefill
+from kvp_cache.provenance import provenance
+
+NEEDLE_FIELDS = {"protocol", "task", "context_tokens", "method", "budget", "n", "metric", "score", "ci95"}
+TEXT_FIELDS = {"protocol", "corpus", "kind", "context_tokens", "method", "budget", "n", "metric", "score", "ci95",
+               "nll", "nll_ci95"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_with_chat_tokenizer()
+
+
+@pytest.fixture
+def fake_corpora(monkeypatch):
+    """Corpora as seeded random token streams, so the tests need no corpus package."""
+
+    def stream(name, tokenizer):
+        generator = torch.Generator().manual_seed(sorted(CORPORA).index(name))
+        return torch.randint(100, 5000, (4000,), generator=generator)
+
+    monkeypatch.setattr(realtext, "corpus_tokens", stream)
+
+
+def small_config(**overrides) -> BenchmarkConfig:
+    options = dict(
+        methods=["knorm", "snapkv"],
+        budgets=[0.25, 0.5],
+        tasks=["niah_single", "niah_multikey"],
+        screened_tasks=["vt"],
+        screen_samples=2,
+        contexts=[160],
+        samples={160: 3},
+        corpora=["kjv", "chitchat"],
+        text_contexts=[96],
+        text_windows={96: 3},
+        continuation_tokens=12,
+    )
+    return BenchmarkConfig(**{**options, **overrides})
+
+
+def run(model, tokenizer, config, out: Path) -> dict:
+    bench = Benchmark(model, tokenizer, config, out)
+    bench.run()
+    return benchmark_result(config, out, bench.fingerprint, provenance("tiny", torch.float32, "cpu"))
+
+
+def shard_lines(out: Path) -> dict[str, int]:
+    return {str(p.relative_to(out)): len(p.read_text().splitlines()) for p in sorted(out.rglob("*.jsonl"))}
+
+
+def test_rows_schema_and_statistics(tiny, tmp_path, fake_corpora):
+    model, tokenizer = tiny
+    config = small_config()
+    result = run(model, tokenizer, config, tmp_path)
+    assert next(iter(result)) == "provenance" and set(result["provenance"]) == PROVENANCE_FIELDS
+    assert result["pending"] == []
+    # The random model never answers: vt is excluded with its full-cache score.
+    assert [(e["task"], e["context_tokens"], e["n"]) for e in result["excluded"]] == [("vt", 160, 2)]
+    needle = [r for r in result["rows"] if r["protocol"] != PERPLEXITY]
+    text = [r for r in result["rows"] if r["protocol"] == PERPLEXITY]
+    assert all(set(r) == NEEDLE_FIELDS for r in needle) and all(set(r) == TEXT_FIELDS for r in text)
+    cells = 1 + len(config.row_methods()) * len(config.budgets)
+    assert len(needle) == len(config.protocols) * (len(config.tasks) + 1) * cells  # + the pooled task
+    assert len(text) == (len(config.corpora) + 1) * cells
+    assert {r["method"] for r in result["rows"]} == {FULL, ORACLE, "knorm", "snapkv"}
+    for row in result["rows"]:
+        low, high = row["ci95"]
+        assert low <= row["score"] <= high
+        pooled = row.get("task", row.get("corpus")) == ALL
+        per_cell = len(config.tasks) if row["protocol"] != PERPLEXITY else len(config.corpora)
+        assert row["n"] == 3 * (per_cell if pooled else 1)
+    # Scores are the means of the shard records; intervals come from eval.stats.
+    shard = tmp_path / "shards" / PERPLEXITY / "kjv" / "96.jsonl"
+    records = [json.loads(line) for line in shard.read_text().splitlines()]
+    row = next(r for r in text if (r["corpus"], r["method"], r["budget"]) == ("kjv", "snapkv", 0.25))
+    increase = [r["nll"]["snapkv@0.25"] - r["nll"][FULL] for r in records]
+    assert row["score"] == pytest.approx(sum(increase) / 3)
+    assert row["ci95"] == list(bootstrap_interval(increase))
+    shard = tmp_path / "shards" / "question_after" / "niah_multikey" / "160.jsonl"
+    records = [json.loads(line) for line in shard.read_text().splitlines()]
+    row = next(r for r in needle if (r["protocol"], r["task"], r["method"], r["budget"])
+               == ("question_after", "niah_multikey", "knorm", 0.5))  # fmt: skip
+    scores = [r["scores"]["knorm@0.5"] for r in records]
+    assert row["score"] == pytest.approx(sum(scores) / 3) and row["ci95"] == list(wilson_interval(scores))
+
+
+def test_budget_covering_the_prompt_matches_the_full_cache(tiny, tmp_path, fake_corpora):
+    model, tokenizer = tiny
+    config = small_config(budgets=[1.0], screened_tasks=[], samples={160: 2}, text_windows={96: 2})
+    for row in run(model, tokenizer, config, tmp_path)["rows"]:
+        if row["protocol"] == PERPLEXITY:
+            assert row["score"] == pytest.approx(0.0, abs=1e-4)
+    for shard in (tmp_path / "shards").rglob("*.jsonl"):
+        for record in map(json.loads, shard.read_text().splitlines()):
+            if "predictions" in record:
+                full = record["predictions"][FULL]
+                assert all(text == full for text in record["predictions"].values())
+
+
+def test_resumes_where_it_stopped(tiny, tmp_path, fake_corpora):
+    model, tokenizer = tiny
+    config = small_config(screened_tasks=[], protocols=["question_in"])
+    first = run(model, tokenizer, config, tmp_path)
+    lines = shard_lines(tmp_path)
+    # A rerun computes nothing new and gives the same rows.
+    assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"]
+    assert shard_lines(tmp_path) == lines
+    # An interrupted shard (last sample lost, a torn line left) is completed, to the same rows.
+    shard = tmp_path / "shards" / "question_in" / "niah_single" / "160.jsonl"
+    kept = shard.read_text().splitlines()[:-1]
+    shard.write_text("\n".join(kept) + '\n{"index": 2, "predic')
+    partial = benchmark_result(
+        config, tmp_path, Benchmark(model, tokenizer, config, tmp_path).fingerprint, {}
+    )
+    assert {"protocol": "question_in", "task": "niah_single", "context_tokens": 160, "done": 2, "n": 3} in (
+        partial["pending"]
+    )
+    assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"]
+    # Another configuration does not reuse the shards' records.
+    other = small_config(screened_tasks=[], protocols=["question_in"], budgets=[0.5])
+    assert len(benchmark_result(other, tmp_path, other.fingerprint(None), {})["pending"]) == 4
+
+
+def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corpora):
+    model, tokenizer = tiny
+    monkeypatch.setattr("eval.__main__.load_model", lambda name, device: (model, tokenizer))
+    monkeypatch.setattr("sys.argv", ["python -m eval", "benchmark"])
+    out = tmp_path / "bench"
+    code = main(
+        ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "160",
+         "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "", "--protocols", "question_in",
+         "--corpora", "angular", "--text-contexts", "96", "--text-windows", "2", "--continuation-tokens", "8",
+         "--essays-dir", "", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads((out / "benchmark.json").read_text())
+    assert list(result)[0] == "provenance" and result["provenance"]["command"] == "python -m eval benchmark"
+    assert {r["method"] for r in result["rows"]} == {FULL, ORACLE, "knorm", "tova"}
+    assert result["corpora"] == {"angular": {"kind": "code", "requirement": CORPORA["angular"].requirement}}
+    for name in ("accuracy_vs_budget.png", "nll_vs_budget.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    table = (out / "benchmark.md").read_text()
+    assert "| oracle |" in table and "| tova |" in table and "budget 0.25" in table
+    snippet = (out / "headline.md").read_text()
+    assert snippet == headline(result) and "Budget 10%" in snippet and "real text 96" in snippet
+    # `report` regenerates the same files from the JSON alone.
+    (out / "headline.md").unlink()
+    assert main(["report", str(out / "benchmark.json")]) == 0
+    assert (out / "headline.md").read_text() == snippet
+
+
+def test_report_marks_the_best_and_every_overlapping_method(tmp_path):
+    def row(method, score, low, high, budget=0.25):
+        return {"protocol": "question_in", "task": ALL, "context_tokens": 2048, "method": method, "budget": budget,
+                "n": 50, "metric": "accuracy", "score": score, "ci95": [low, high]}  # fmt: skip
+
+    rows = [row(FULL, 0.9, 0.8, 0.95, None), row(ORACLE, 0.95, 0.9, 0.99), row("kvp", 0.7, 0.6, 0.8),
+            row("snapkv", 0.62, 0.5, 0.7), row("knorm", 0.3, 0.2, 0.4)]  # fmt: skip
+    result = {
+        "rows": rows,
+        "excluded": [],
+        "config": {
+            "protocols": ["question_in"],
+            "contexts": [2048],
+            "text_contexts": [],
+            "budgets": [0.25],
+            "corpora": [],
+            "min_full_score": 0.3,
+        },  # fmt: skip
+        "provenance": {"model": "m", "command": "c", "git_commit": "abc", "policy": None},
+    }
+    docs = tmp_path / "eval.md"
+    docs.write_text("# Eval\n\nHand-written text.\n")
+    update_docs(result, "m", docs)
+    update_docs(result, "m", docs)  # the block is replaced, not appended twice
+    text = docs.read_text()
+    assert (
+        text.startswith("# Eval\n\nHand-written text.\n") and text.count("generated by eval/report.py") == 1
+    )
+    assert "| **kvp** | **70.0 (60-80)** |" not in text  # the name column is never bold
+    assert "| kvp | **70.0 (60-80)** |" in text and "| snapkv | **62.0 (50-70)** |" in text
+    assert "| knorm | 30.0 (20-40) |" in text and "| oracle | 95.0 (90-99) |" in text
+
+
+def test_wilson_and_bootstrap_intervals():
+    # Reference values of the Wilson score interval (z = 1.96).
+    assert wilson_from_mean(0.5, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
+    assert wilson_interval([0.0] * 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval([1.0] * 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    assert bootstrap_interval([2.5] * 7) == (2.5, 2.5)
+    values = [float(i) for i in range(40)]
+    low, high = bootstrap_interval(values)
+    standard_error = math.sqrt(sum((v - 19.5) ** 2 for v in values) / 39 / 40)
+    assert low < 19.5 < high and high - low == pytest.approx(2 * 1.96 * standard_error, rel=0.2)
+    assert bootstrap_interval(values) == (low, high)  # seeded
+    with pytest.raises(ValueError, match="at least one sample"):
+        wilson_interval([])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        wilson_interval([1.5])
+
+
+def test_oracle_keeps_the_entries_the_future_attends_to_most():
+    model = tiny_model("llama")
+    prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    future = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    scorer = oracle_scorer(model, prefill(model, prompt), future[0].tolist())
+    # Reference: the eager model's own attention over prompt + future, max over each GQA group,
+    # summed over the future queries.
+    with torch.no_grad():
+        attentions = model(torch.cat([prompt, future], -1), output_attentions=True).attentions
+    for layer, attention in enumerate(attentions):
+        grouped = attention[0, :, 40:, :40].reshape(2, 2, 6, 40)  # [kv_heads, group, future, prompt]
+        torch.testing.assert_close(scorer.importance[layer], grouped.amax(1).sum(1), rtol=1e-4, atol=1e-5)
+    cache = KVPCache(model, method=scorer, budget=10, sink_tokens=0, window_tokens=0, track_positions=True)
+    with torch.no_grad():
+        model(prompt, **{cache_kwarg(model): cache})
+    for layer, kept in zip(range(2), cache.evicting_layers, strict=True):
+        expected = scorer.importance[layer].topk(10, dim=-1).indices.sort(-1).values
+        assert torch.equal(kept.positions[0].sort(-1).values, expected)
+    with pytest.raises(ValueError, match="built for"):
+        OracleScorer(scorer.importance).score(torch.zeros(1, 2, 30, 16), None, None, layer_idx=0)
+
+
+def test_continuation_nll_is_the_full_forward_nll():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(3))
+    prefix, continuation = ids[:, :38], ids[:, 38:]
+    with torch.no_grad():
+        logits = model(ids).logits[0, 37:-1]
+    expected = F.cross_entropy(logits, ids[0, 38:])
+    prefilled = prefill(model, prefix)
+    full = realtext.continuation_nll(model, prefilled, copy.deepcopy(prefilled.cache), continuation)
+    torch.testing.assert_close(full, expected[None], rtol=1e-4, atol=1e-5)
+    kept_all = KVPCache.from_prefill(prefilled, model, method="knorm", budget=1.0)
+    torch.testing.assert_close(realtext.continuation_nll(model, prefilled, kept_all, continuation), full)
+    compressed = KVPCache.from_prefill(
+        prefilled, model, method="knorm", budget=4, sink_tokens=0, window_tokens=0
+    )
+    assert not torch.allclose(realtext.continuation_nll(model, prefilled, compressed, continuation), full)
+
+
+def test_windows_are_disjoint_and_spread():
+    stream = torch.arange(1000)
+    windows = realtext.windows(stream, 100, 4)
+    starts = [int(w[0, 0]) for w in windows]
+    assert starts == [0, 300, 600, 900] and all(w.shape == (1, 100) for w in windows)
+    assert realtext.windows(stream, 100, 1)[0][0, 0] == 0
+    with pytest.raises(ValueError, match="too few for 11 windows"):
+        realtext.windows(stream, 100, 11)
+    with pytest.raises(ValueError, match="length must be >= 2"):
+        realtext.windows(stream, 1, 1)
+
+
+def test_held_out_text_is_refused(essays_dir):
+    for name in ("kjv", "chitchat-dataset", "xstatic-angular", "Angular"):
+        with pytest.raises(ValueError, match="held-out evaluation corpus"):
+            refuse_held_out([name])
+    for path in ("/usr/share/dict/words", "/usr/lib/python3.11/json/decoder.py", "/usr/share"):
+        with pytest.raises(ValueError, match="held out|standard library"):
+            refuse_held_out([essays_dir, path])
+    for corpus in CORPORA.values():
+        try:
+            location = corpus.location()
+        except ModuleNotFoundError:
+            continue
+        assert is_held_out(location / "data") and is_held_out(location.parent)
+    refuse_held_out([essays_dir, "essays", "/usr/lib/python3.11/site-packages/numpy/core.py"])
+    with pytest.raises(TypeError, match="list"):
+        refuse_held_out(str(essays_dir))
+    missing = Corpus("missing", "prose", "no-such-dist", "1.0", "no_such_package.sub")
+    with pytest.raises(ModuleNotFoundError, match="pip install 'no-such-dist==1.0'"):
+        missing.location()
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown methods"):
+        small_config(methods=["nope"])
+    with pytest.raises(ValueError, match="needs policy"):
+        small_config(methods=["kvp"])
+    with pytest.raises(ValueError, match="protocols"):
+        small_config(protocols=["question_before"])
+    with pytest.raises(ValueError, match="corpora"):
+        small_config(corpora=["wikipedia"])
+    with pytest.raises(ValueError, match="no sample count"):
+        small_config(contexts=[160, 320])
+    with pytest.raises(ValueError, match="sample counts"):
+        small_config(samples={160: 0})
+    with pytest.raises(ValueError, match="min_full_score"):
+        small_config(min_full_score=30)
+    assert method_key(FULL, None) == FULL and method_key("kvp", 0.1) == "kvp@0.1"
