@@ -5,9 +5,10 @@
 - ``docs``: the long descriptions (READMEs) of the installed distributions (documentation);
 - ``dialogue``: the English conversations of the ``chatterbot-corpus`` package.
 
-Never training data: the Python standard library and ``/usr/share`` (kept for independent
-evaluation), and anything the benchmark holds out. Every path and distribution goes through
-:func:`refuse_held_out` before it is read, and ``--text-files`` are checked the same way.
+Never training data: what ``eval.corpora`` holds out (the benchmark's corpora, the Python standard
+library and ``/usr/share``). Packages and distributions it names are left out of ``code`` and
+``docs``, and every file is passed to ``eval.corpora.refuse_held_out`` before it is read;
+``--text-files`` are checked the same way.
 """
 
 from __future__ import annotations
@@ -19,39 +20,33 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
+from eval.corpora import is_held_out, refuse_held_out
+
 DEFAULT_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
 # Files past this size are mostly generated tables or vendored bundles, not code people write.
 MAX_FILE_BYTES = 200_000
 MIN_DOCUMENT_CHARS = 500
 
 
-def held_out_roots() -> list[Path]:
-    """Directories whose files are never training data: the standard library and /usr/share."""
-    paths = sysconfig.get_paths()
-    site = {Path(paths["purelib"]).resolve(), Path(paths["platlib"]).resolve()}
-    roots = {Path(paths["stdlib"]).resolve(), Path("/usr/share")}
-    # In a virtual environment platstdlib is the venv's lib/pythonX.Y, which holds site-packages:
-    # only its files outside site-packages are the standard library.
-    roots |= {Path(paths["platstdlib"]).resolve()} - {p.parent for p in site}
-    return sorted(roots)
-
-
-def refuse_held_out(path: str | Path) -> None:
-    """Raise ``ValueError`` when ``path`` lies in held-out evaluation text."""
-    resolved = Path(path).resolve()
-    for root in held_out_roots():
-        if resolved == root or root in resolved.parents:
-            raise ValueError(
-                f"{path} is held out for evaluation ({root}: the Python standard library and /usr/share "
-                "are never training data); pick other text"
-            )
-
-
 def site_packages() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
+def code_files() -> list[Path]:
+    """Third-party ``*.py`` files of site-packages, sorted, without the held-out packages."""
+    root = site_packages()
+    packages = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".dist-info"))
+    return [
+        path
+        for package in packages
+        if package.name != "__pycache__" and not is_held_out(package)
+        for path in sorted(package.rglob("*.py"))
+        if "__pycache__" not in path.parts and MIN_DOCUMENT_CHARS <= path.stat().st_size <= MAX_FILE_BYTES
+    ]
+
+
 def essays(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+    refuse_held_out([essays_dir])
     files = sorted(Path(essays_dir).glob("*.txt"))
     if not files:
         raise FileNotFoundError(f"--essays-dir {essays_dir} holds no *.txt essays")
@@ -59,23 +54,17 @@ def essays(essays_dir: str | Path, rng: random.Random, max_chars: int | None) ->
 
 
 def code(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
-    root = site_packages()
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if "__pycache__" not in p.parts
-        and not any(part.endswith(".dist-info") for part in p.parts)
-        and MIN_DOCUMENT_CHARS <= p.stat().st_size <= MAX_FILE_BYTES
-    )
+    files = code_files()
     if not files:
-        raise FileNotFoundError(f"no third-party Python source under {root}")
+        raise FileNotFoundError(f"no third-party Python source under {site_packages()}")
     return _read(files, rng, max_chars)
 
 
 def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
     texts = []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
-        refuse_held_out(dist.locate_file(""))
+        if is_held_out(dist.metadata["Name"] or ""):
+            continue
         text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
         if len(text) >= MIN_DOCUMENT_CHARS:
             texts.append(text)
@@ -91,7 +80,7 @@ def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None) 
         raise ModuleNotFoundError("the dialogue corpus needs: pip install --no-deps chatterbot-corpus")
     texts = []
     for path in sorted((Path(spec.origin).parent / "data" / "english").glob("*.yml")):
-        refuse_held_out(path)
+        refuse_held_out([path])
         record = yaml.safe_load(path.read_text(encoding="utf-8"))
         turns = []
         for conversation in record.get("conversations", []):
@@ -125,7 +114,7 @@ def _read(files: list[Path], rng: random.Random, max_chars: int | None) -> list[
     for path in order:
         if max_chars is not None and total >= max_chars:
             break
-        refuse_held_out(path)
+        refuse_held_out([path])
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
             texts.append(text)

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.corpora import refuse_held_out
 from kvp_cache import ruler
-from train.corpora import refuse_held_out
 
 
 @dataclass
@@ -117,7 +117,7 @@ def read_text_files(paths: Iterable[str | Path], jsonl_field: str = "text") -> l
                 sorted(p for p in path.iterdir() if p.suffix in {".txt", ".md", ".jsonl"})
             )
         elif path.suffix == ".jsonl":
-            refuse_held_out(path)
+            refuse_held_out([path])
             with path.open() as handle:
                 for line_no, line in enumerate(handle, 1):
                     if not line.strip():
@@ -127,7 +127,7 @@ def read_text_files(paths: Iterable[str | Path], jsonl_field: str = "text") -> l
                         raise ValueError(f"{path}:{line_no} has no field {jsonl_field!r} (set --jsonl-field)")
                     documents.append(str(record[jsonl_field]))
         elif path.is_file():
-            refuse_held_out(path)
+            refuse_held_out([path])
             documents.append(path.read_text(errors="replace"))
         else:
             raise FileNotFoundError(f"--text-files: {path} does not exist")
