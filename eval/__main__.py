@@ -63,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--split", default="test", help="ruler split: test (reported numbers) or val")
     sweep.add_argument("--question-after", action="store_true", help="compress the context only, ask after")
     sweep.add_argument(
+        "--question-token-by-token",
+        action="store_true",
+        help="with --question-after: feed the question one token at a time (the slower pre-schedules path)",
+    )
+    sweep.add_argument(
         "--essays-dir", default=None, help="Paul Graham essays as haystack (default: RULER noise)"
     )
     sweep.add_argument(
@@ -149,6 +154,7 @@ def run_sweep_command(args, model, tokenizer, policy) -> None:
         context_tokens=args.context_tokens,
         samples=args.samples,
         question_after=args.question_after,
+        question_whole=not args.question_token_by_token,
         policy=args.policy,
         essays_dir=args.essays_dir,
         seed=args.seed,

@@ -318,7 +318,8 @@ def scored_once(scorer: Scorer) -> Scorer:
     if cls not in _SCORED_ONCE:
 
         def score(self, keys, values, positions, queries=None, layer_idx=0):
-            key = (layer_idx, tuple(keys.shape))
+            # The sum tells this prefill's states from states appended later (a question's, say).
+            key = (layer_idx, tuple(keys.shape), float(keys.float().sum()))
             if key not in self.memo:
                 self.memo[key] = cls.score(self, keys, values, positions, queries, layer_idx)
             return self.memo[key]

@@ -12,7 +12,9 @@ whole sweep.
 
 Protocols (``question_after``): False (the paper's RULER protocol) compresses the whole prompt,
 question included; True compresses the context only and appends the question, the chat
-template's generation prompt and the answer prefix uncompressed.
+template's generation prompt and the answer prefix uncompressed: caches are built with
+``compress="first_prefill"``, so the question goes in as one forward (``question_whole=False``
+feeds it token by token into default caches instead, the older and slower path, same answers).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ class SweepConfig:
     essays_dir: str | None = None
     seed: int = 0
     split: str = "test"
+    question_whole: bool = (
+        True  # False: feed an after-compression question token by token (slower, same answers)
+    )
     sink_tokens: int = 4
     window_tokens: int = 16
     max_new_tokens: int | None = None  # None: MAX_NEW_TOKENS per task
@@ -147,9 +152,11 @@ def stack_caches(caches: list[KVPCache]) -> KVPCache:
     """One batch-``len(caches)`` cache whose row ``i`` is ``caches[i]`` (each of batch 1).
 
     The caches must come from one prompt and keep the same number of entries per layer (one
-    budget, any methods), so rows need no padding. Evicting layers are concatenated along the
-    batch; the others hold the same uncompressed prompt state in every cache and are repeated.
-    Decoding the stack appends to every row, as decoding each cache alone would.
+    budget, any methods), so rows need no padding. Evicting layers concatenate every per-row field
+    (``EvictingLayer.BATCH_FIELDS``); the other layers hold the same uncompressed prompt state in
+    every cache and are repeated. Decoding the stack appends to every row, as decoding each cache
+    alone would; the stack is for decoding only, so per-method state that only a later eviction
+    reads (stored scores of some methods, recent queries) is dropped when the rows differ in it.
     """
     stacked = copy.deepcopy(caches[0])
     for i, layer in enumerate(stacked.layers):
@@ -161,9 +168,11 @@ def stack_caches(caches: list[KVPCache]) -> KVPCache:
             raise ValueError(
                 f"layer {i}: caches differ in kept or seen tokens; stack caches of one prompt and budget"
             )
-        for name in ("keys", "values", "valid", "seen_real", "positions"):
-            if getattr(layer, name) is not None:
-                setattr(layer, name, torch.cat([getattr(row, name) for row in rows]))
+        for name in EvictingLayer.BATCH_FIELDS:
+            values = [getattr(row, name) for row in rows]
+            stacked_value = None if any(v is None for v in values) else torch.cat(values)
+            setattr(layer, name, stacked_value)
+        layer.recent_queries = None
     return stacked
 
 
@@ -175,18 +184,31 @@ class AnswerDecoder:
     ``method`` is a registry name or a ready :class:`~kvp_cache.scorers.Scorer` (the oracle).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer, sink_tokens: int, window_tokens: int, policy=None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer,
+        sink_tokens: int,
+        window_tokens: int,
+        policy=None,
+        question_whole: bool = True,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.sink_tokens = sink_tokens
         self.window_tokens = window_tokens
         self.policy = policy
+        self.question_whole = question_whole
         self.pad = {"pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id}
         self.generate_kwargs = {**self.pad, "do_sample": False}
 
     def cache_options(self, method: str | Scorer, budget: Budget) -> dict:
         options = dict(
-            method=method, budget=budget, sink_tokens=self.sink_tokens, window_tokens=self.window_tokens
+            method=method,
+            budget=budget,
+            sink_tokens=self.sink_tokens,
+            window_tokens=self.window_tokens,
+            compress="first_prefill" if self.question_whole else "every_prefill",
         )
         if isinstance(method, str) and method in learned_methods():
             options["policy"] = self.policy
@@ -245,8 +267,14 @@ class AnswerDecoder:
         return self.decode(self._after_suffix(cache, prompt, max_new_tokens)[0])
 
     def _after_suffix(self, cache, prompt: Prompt, max_new_tokens: int, rows: int = 1) -> torch.Tensor:
-        """Append the suffix but its last token uncompressed, generate from the last token; ``[rows, new]``."""
-        append_uncompressed(self.model, cache, prompt.suffix[:, :-1].expand(rows, -1))
+        """Append the suffix uncompressed and generate after it; ``[rows, max_new_tokens]``.
+
+        With ``question_whole`` ``generate`` feeds the suffix in one forward, which a
+        ``compress="first_prefill"`` cache appends whole; otherwise all but its last token go in
+        one at a time first (one-token forwards never evict).
+        """
+        if not self.question_whole:
+            append_uncompressed(self.model, cache, prompt.suffix[:, :-1].expand(rows, -1))
         ids = prompt.full.expand(rows, -1)
         kwargs = {cache_kwarg(self.model): cache, **self.generate_kwargs}
         out = self.model.generate(
@@ -337,7 +365,9 @@ def run_sweep(model: PreTrainedModel, tokenizer, config: SweepConfig, policy=Non
     """Run the sweep; returns a JSON-able dict with the config, per-answer records, tables and timings
     (the caller puts :func:`kvp_cache.provenance.provenance` on top)."""
     device = next(model.parameters()).device
-    decoder = AnswerDecoder(model, tokenizer, config.sink_tokens, config.window_tokens, policy)
+    decoder = AnswerDecoder(
+        model, tokenizer, config.sink_tokens, config.window_tokens, policy, config.question_whole
+    )
     haystack = ruler.load_haystack(config.essays_dir)
     grid = [(FULL, None)] + [(m, b) for m in config.methods for b in config.budgets]
     records: list[dict] = []

@@ -205,3 +205,14 @@ def test_parsers_and_spread():
     grid = list(range(10))
     assert spread(grid, 3) == [0, 4, 9]
     assert spread(grid, None) == grid and spread(grid, 20) == grid and spread(grid, 1) == [0]
+
+
+def test_question_appended_whole_gives_the_token_by_token_answers(tiny):
+    """compress="first_prefill" caches take the question in one forward; the answers are those of
+    feeding it one token at a time into default caches."""
+    model, tokenizer = tiny
+    config = small_config(question_after=True, separate_samples=0, methods=["knorm", "snapkv", "tova"])
+    whole = run_sweep(model, tokenizer, config)["records"]
+    token_by_token = run_sweep(model, tokenizer, small_config(**{**vars(config), "question_whole": False}))
+    assert [r["prediction"] for r in whole] == [r["prediction"] for r in token_by_token["records"]]
+    assert len({r["prediction"] for r in whole}) > 1  # the methods answer differently: a real comparison
