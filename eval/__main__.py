@@ -174,7 +174,7 @@ def run_sweep_command(args, model, tokenizer, policy) -> None:
 
 def run_benchmark_command(args, model, tokenizer, policy) -> None:
     from eval.benchmark import Benchmark, BenchmarkConfig, benchmark_result
-    from eval.report import write_report
+    from eval.report import DOCS, write_report
 
     options = {
         "tasks": args.tasks,
@@ -207,7 +207,8 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
     result = benchmark_result(config, out, benchmark.fingerprint, header)
     path = out / "benchmark.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    paths = write_report(result, out)
+    # The canonical run (default --out) also regenerates docs/eval.md's tables.
+    paths = write_report(result, out, docs=DOCS if args.out is None else None)
     print(f"wrote {path}, " + ", ".join(str(p) for p in paths))
     if result["pending"]:
         print(f"{len(result['pending'])} cells unfinished: run the same command again to resume")

@@ -25,7 +25,7 @@ import copy
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -168,6 +168,20 @@ class Shard:
             )
 
 
+@dataclass
+class Cell:
+    """One (protocol, task or corpus, length) cell: its shard, sample count, finished samples, and
+    ``compute(index)`` -> the record of one sample (without index and timings)."""
+
+    shard: Shard
+    count: int
+    compute: Callable[[int], dict]
+    done: set[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.done = set(self.shard.records())
+
+
 class Benchmark:
     """Runs the cells of a :class:`BenchmarkConfig` into shards under ``out / "shards"``."""
 
@@ -185,17 +199,31 @@ class Benchmark:
         return Shard(self.out / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), self.fingerprint)
 
     def run(self) -> None:
-        """Every cell, shortest contexts first; finished samples are skipped."""
+        """Screen the screened tasks, then every cell's samples round-robin (sample 0 of every cell,
+        then sample 1, ...), so an unfinished run has every cell equally far; done samples are skipped."""
+        cells = []
         for context in self.config.contexts:
             tasks = self.config.tasks + [
                 t for t in self.config.screened_tasks if self.passes_screen(t, context)
             ]
-            for protocol in self.config.protocols:
-                for task in tasks:
-                    self.run_needle_cell(protocol, task, context)
+            cells += [
+                self.needle_cell(protocol, task, context)
+                for protocol in self.config.protocols
+                for task in tasks
+            ]
         for context in self.config.text_contexts:
-            for name in self.config.corpora:
-                self.run_text_cell(name, context)
+            cells += [self.text_cell(name, context) for name in self.config.corpora]
+        work = [
+            (cell, index)
+            for index in range(max((cell.count for cell in cells), default=0))
+            for cell in cells
+            if index < cell.count and index not in cell.done
+        ]
+        for cell, index in tqdm(work, desc="benchmark", unit="sample"):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            record = cell.compute(index)
+            record.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start)
+            cell.shard.append({"index": index, **record})
 
     def samples(self, task: str, context: int, count: int) -> list[ruler.Sample]:
         return ruler.make_samples(
@@ -214,47 +242,57 @@ class Benchmark:
             with torch.no_grad():
                 prefilled = prefill(self.model, prompt.prefix)
                 prediction = self.decoder.full_answer(prefilled, prompt, MAX_NEW_TOKENS[task])
-            shard.append(
-                {
-                    "index": index,
-                    "predictions": {FULL: prediction},
-                    "scores": {FULL: ruler.score(sample, prediction)},
-                }
-            )
+            score = ruler.score(sample, prediction)
+            shard.append({"index": index, "predictions": {FULL: prediction}, "scores": {FULL: score}})
         scores = [r["scores"][FULL] for r in shard.records().values()]
         return sum(scores) / len(scores) >= self.config.min_full_score
 
-    def run_needle_cell(self, protocol: str, task: str, context: int) -> None:
-        shard = self.shard(protocol, task, context)
-        done = shard.records()
+    def needle_cell(self, protocol: str, task: str, context: int) -> Cell:
         samples = self.samples(task, context, self.config.samples[context])
-        question_after = protocol == "question_after"
-        max_new_tokens = MAX_NEW_TOKENS[task]
-        bar = tqdm(samples, desc=f"{protocol} {task} {context}", unit="sample")
-        for index, sample in enumerate(bar):
-            if index in done:
-                continue
-            start, cpu_start = time.perf_counter(), time.process_time()
-            prompt = encode_prompt(sample, self.tokenizer, question_after, self.device)
+
+        def compute(index: int) -> dict:
+            sample = samples[index]
+            prompt = encode_prompt(sample, self.tokenizer, protocol == "question_after", self.device)
             with torch.no_grad():
                 prefilled = prefill(self.model, prompt.prefix)
-            future = ids(prompt.suffix) + gold_answer_ids(sample, self.tokenizer)
-            methods = self.scorers(prefilled, future)
+            methods = self.scorers(prefilled, ids(prompt.suffix) + gold_answer_ids(sample, self.tokenizer))
             answers = answers_from_prefill(
-                self.decoder, prefilled, prompt, methods, self.config.budgets, max_new_tokens
+                self.decoder, prefilled, prompt, methods, self.config.budgets, MAX_NEW_TOKENS[task]
             )
             predictions = {method_key(method, budget): text for (method, budget), text in answers.items()}
-            shard.append(
-                {
-                    "index": index,
-                    "prompt_tokens": prompt.full.shape[1],
-                    "answers": sample.answers,
-                    "predictions": predictions,
-                    "scores": {key: ruler.score(sample, text) for key, text in predictions.items()},
-                    "seconds": time.perf_counter() - start,
-                    "cpu_seconds": time.process_time() - cpu_start,
-                }
+            return {
+                "prompt_tokens": prompt.full.shape[1],
+                "answers": sample.answers,
+                "predictions": predictions,
+                "scores": {key: ruler.score(sample, text) for key, text in predictions.items()},
+            }
+
+        return Cell(self.shard(protocol, task, context), len(samples), compute)
+
+    def text_cell(self, name: str, context: int) -> Cell:
+        stream = realtext.corpus_tokens(name, self.tokenizer)
+        count = self.config.text_windows[context]
+        windows = realtext.windows(stream, context + self.config.continuation_tokens, count)
+
+        @torch.no_grad()
+        def compute(index: int) -> dict:
+            window = windows[index].to(self.device)
+            prefix, continuation = window[:, :context], window[:, context:]
+            prefilled = prefill(self.model, prefix)
+            methods = self.scorers(prefilled, ids(continuation))
+            full = realtext.continuation_nll(
+                self.model, prefilled, copy.deepcopy(prefilled.cache), continuation
             )
+            nll = {FULL: full.item()}
+            for budget in self.config.budgets:
+                cache = self.decoder.compressed(prefilled, methods, budget)
+                values = realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()
+                nll.update(
+                    {method_key(n, budget): v for n, v in zip(self.config.row_methods(), values, strict=True)}
+                )
+            return {"nll": nll}
+
+        return Cell(self.shard(PERPLEXITY, name, context), count, compute)
 
     def scorers(self, prefilled, future_ids: list[int]) -> list[Scorer]:
         """One sample's scorers: each method's, scoring each layer once for all budgets, then the oracle."""
@@ -265,43 +303,6 @@ class Benchmark:
 
     def method_options(self, method: str) -> dict:
         return {"policy": self.decoder.policy} if method in methods(learned=True) else {}
-
-    def run_text_cell(self, name: str, context: int) -> None:
-        shard = self.shard(PERPLEXITY, name, context)
-        done = shard.records()
-        stream = realtext.corpus_tokens(name, self.tokenizer)
-        length = context + self.config.continuation_tokens
-        windows = realtext.windows(stream, length, self.config.text_windows[context])
-        for index, window in enumerate(tqdm(windows, desc=f"{PERPLEXITY} {name} {context}", unit="window")):
-            if index in done:
-                continue
-            start, cpu_start = time.perf_counter(), time.process_time()
-            window = window.to(self.device)
-            prefix, continuation = window[:, :context], window[:, context:]
-            with torch.no_grad():
-                prefilled = prefill(self.model, prefix)
-                methods = self.scorers(prefilled, ids(continuation))
-                full = realtext.continuation_nll(
-                    self.model, prefilled, copy.deepcopy(prefilled.cache), continuation
-                )
-                nll = {FULL: full.item()}
-                for budget in self.config.budgets:
-                    cache = self.decoder.compressed(prefilled, methods, budget)
-                    values = realtext.continuation_nll(self.model, prefilled, cache, continuation)
-                    nll.update(
-                        {
-                            method_key(n, budget): v
-                            for n, v in zip(self.config.row_methods(), values.tolist(), strict=True)
-                        }
-                    )
-            shard.append(
-                {
-                    "index": index,
-                    "nll": nll,
-                    "seconds": time.perf_counter() - start,
-                    "cpu_seconds": time.process_time() - cpu_start,
-                }
-            )
 
 
 _SCORED_ONCE: dict[type, type] = {}
