@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model  # noqa: F401  (the llama fixture builds on it)
 
 from kvp_cache.policy import HeadAgents, load_policy
 from train import collect, data, evaluate, fit, reward, rl

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 
 import torch
 
@@ -32,7 +31,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(getattr(args, "threads", 2) or 2)
-    warnings.filterwarnings("ignore", message=".*past_key_values.*")
     args.func(args)
 
 
