@@ -495,3 +495,19 @@ def test_fit_split_across_two_processes_matches_one(tmp_path):
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4)
+
+
+def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
+    from train import reproduce
+
+    collects = reproduce.collect_configs(tmp_path)
+    for config in collects:
+        config.validate()
+        assert config.task_future == "greedy" and not config.only_correct  # the shipped traces' futures
+    assert [c.val_name for c in collects] == ["val", "val_2x", "val_synthetic"]
+    assert [c.ruler_split for c in collects] == ["train", "val", "val"]
+    config = reproduce.fit_config(tmp_path, tmp_path / "fit", "listnet")
+    config.validate()
+    assert (config.position_strategy, config.max_positions, config.steps) == ("scale", 128, 200)
+    with pytest.raises(ValueError, match="windows: unknown corpus"):
+        collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
