@@ -117,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-oracle", action="store_true", help="skip the oracle row")
     bench.add_argument("--essays-dir", default=str(ESSAYS_DIR), help="haystack essays ('' for RULER noise)")
     bench.add_argument("--out", type=Path, default=None, help="default: eval/results/<model>")
+    bench.add_argument(
+        "--no-run",
+        action="store_true",
+        help="only write benchmark.json and the report from the finished samples (e.g. while a run goes on)",
+    )
 
     report = commands.add_parser(
         "report", help="rewrite tables, plots, headline and docs/eval.md from a benchmark.json"
@@ -202,9 +207,11 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
     )
     out = args.out or RESULTS / Path(args.model).name
     benchmark = Benchmark(model, tokenizer, config, out, policy)
-    benchmark.run()
+    if not args.no_run:
+        benchmark.run()
     header = provenance(args.model, next(model.parameters()).dtype, args.device, policy=policy)
     result = benchmark_result(config, out, benchmark.fingerprint, header)
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "benchmark.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     # The canonical run (default --out) also regenerates docs/eval.md's tables.

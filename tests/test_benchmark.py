@@ -152,12 +152,16 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     monkeypatch.setattr("eval.__main__.load_model", lambda name, device: (model, tokenizer))
     monkeypatch.setattr("sys.argv", ["python -m eval", "benchmark"])
     out = tmp_path / "bench"
-    code = main(
-        ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "160",
-         "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "", "--protocols", "question_in",
-         "--corpora", "angular", "--text-contexts", "96", "--text-windows", "2", "--continuation-tokens", "8",
-         "--essays-dir", "", "--out", str(out)]
-    )  # fmt: skip
+    args = ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "160",
+            "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "", "--protocols", "question_in",
+            "--corpora", "angular", "--text-contexts", "96", "--text-windows", "2", "--continuation-tokens", "8",
+            "--essays-dir", ""]  # fmt: skip
+    # --no-run reports what is done so far: nothing yet.
+    assert main([*args, "--out", str(tmp_path / "empty"), "--no-run"]) == 0
+    empty = json.loads((tmp_path / "empty" / "benchmark.json").read_text())
+    assert empty["rows"] == [] and [p["done"] for p in empty["pending"]] == [0, 0]
+    assert not (tmp_path / "empty" / "shards").exists()
+    code = main([*args, "--out", str(out)])
     assert code == 0
     result = json.loads((out / "benchmark.json").read_text())
     assert list(result)[0] == "provenance" and result["provenance"]["command"] == "python -m eval benchmark"
