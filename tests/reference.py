@@ -80,6 +80,17 @@ def check_generate_against_reference(model, prompt, cache, attention_mask=None, 
     return sequences
 
 
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt: torch.Tensor, continuation: torch.Tensor, cache) -> torch.Tensor:
+    """Log-probabilities ``[n]`` of ``continuation`` (``[n]``) fed one token at a time after ``prompt``."""
+    step = model(prompt, past_key_values=cache).logits[:, -1]
+    scores = []
+    for token in continuation:
+        scores.append(torch.log_softmax(step.float(), -1)[0, token])
+        step = model(token.view(1, 1), past_key_values=cache).logits[:, -1]
+    return torch.stack(scores)
+
+
 _CONTEXT: dict = {}
 
 

@@ -7,7 +7,15 @@ import copy
 import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_model
-from reference import ATOL, ForwardRecorder, check_generate_against_reference, greedy, ids, reference_logits
+from reference import (
+    ATOL,
+    ForwardRecorder,
+    check_generate_against_reference,
+    greedy,
+    ids,
+    reference_logits,
+    teacher_forced_logprobs,
+)
 from transformers import DynamicCache
 
 from kvp_cache import KVPCache, available_methods
@@ -150,13 +158,8 @@ def test_beam_search_and_return_sequences(method):
         ).logits  # prompt + 4 in one go
         del logits
         forced = make_cache(model, method, budget=16)
-        step = model(prompt, past_key_values=forced).logits[:, -1]
-        scores = []
-        for t in range(5):
-            token = out.sequences[row, 40 + t]
-            scores.append(torch.log_softmax(step.float(), -1)[0, token])
-            step = model(token.view(1, 1), past_key_values=forced).logits[:, -1]
-        torch.testing.assert_close(torch.stack(scores), transition[row].float(), atol=1e-3, rtol=1e-3)
+        scores = teacher_forced_logprobs(model, prompt, out.sequences[row, 40:], forced)
+        torch.testing.assert_close(scores, transition[row].float(), atol=1e-3, rtol=1e-3)
 
 
 def test_full_budget_is_token_identical_to_dynamic_cache_for_every_method():

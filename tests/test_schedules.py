@@ -7,7 +7,15 @@ import copy
 import pytest
 import torch
 from conftest import TINY_CONFIGS, tiny_model
-from reference import ATOL, ForwardRecorder, check_generate_against_reference, greedy, ids, reference_logits
+from reference import (
+    ATOL,
+    ForwardRecorder,
+    check_generate_against_reference,
+    greedy,
+    ids,
+    reference_logits,
+    teacher_forced_logprobs,
+)
 from transformers import DynamicCache
 
 from kvp_cache import KVPCache, KVPolicy
@@ -244,13 +252,8 @@ def test_capped_beam_search_scores_equal_teacher_forcing(method):
     )
     for row in range(3):
         forced = make_cache(model, method, **options)
-        step = model(prompt, past_key_values=forced).logits[:, -1]
-        scores = []
-        for t in range(8):
-            token = out.sequences[row, 30 + t]
-            scores.append(torch.log_softmax(step.float(), -1)[0, token])
-            step = model(token.view(1, 1), past_key_values=forced).logits[:, -1]
-        torch.testing.assert_close(torch.stack(scores), transition[row].float(), atol=1e-3, rtol=1e-3)
+        scores = teacher_forced_logprobs(model, prompt, out.sequences[row, 30:], forced)
+        torch.testing.assert_close(scores, transition[row].float(), atol=1e-3, rtol=1e-3)
 
 
 @torch.no_grad()
