@@ -47,6 +47,8 @@ NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiqu
 SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
 NEEDLE_PROTOCOLS = ("question_in", "question_after")
 PERPLEXITY = "perplexity"
+TEMPLATE_TOKENS = 64
+"""Room left in ``context_tokens`` for the chat template and answer prefix around a sample."""
 ALL = "all"
 """The task or corpus of pooled rows: every sample of every task (corpus) of one protocol and length."""
 
@@ -127,6 +129,7 @@ class BenchmarkConfig:
             "sink": self.sink_tokens,
             "window": self.window_tokens,
             "continuation": self.continuation_tokens,
+            "template_tokens": TEMPLATE_TOKENS,
         }
         return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -226,8 +229,11 @@ class Benchmark:
             cell.shard.append({"index": index, **record})
 
     def samples(self, task: str, context: int, count: int) -> list[ruler.Sample]:
+        """``count`` test-split samples whose chat prompt plus answer fit in ``context`` tokens (8K is
+        SmolLM2's limit), whatever the sizing tolerance."""
+        target = int(context * (1 - ruler.LENGTH_TOLERANCE)) - MAX_NEW_TOKENS[task] - TEMPLATE_TOKENS
         return ruler.make_samples(
-            task, self.tokenizer, context, count, self.config.seed, self.haystack, split="test"
+            task, self.tokenizer, target, count, self.config.seed, self.haystack, split="test"
         )
 
     def passes_screen(self, task: str, context: int) -> bool:

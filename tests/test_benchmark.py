@@ -20,7 +20,7 @@ from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, oracle_scorer
 from eval.report import headline, update_docs
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
-from eval.sweep import FULL
+from eval.sweep import FULL, MAX_NEW_TOKENS
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.prefill import prefill
@@ -54,8 +54,8 @@ def small_config(**overrides) -> BenchmarkConfig:
         tasks=["niah_single", "niah_multikey"],
         screened_tasks=["vt"],
         screen_samples=2,
-        contexts=[160],
-        samples={160: 3},
+        contexts=[256],
+        samples={256: 3},
         corpora=["kjv", "chitchat"],
         text_contexts=[96],
         text_windows={96: 3},
@@ -81,7 +81,7 @@ def test_rows_schema_and_statistics(tiny, tmp_path, fake_corpora):
     assert next(iter(result)) == "provenance" and set(result["provenance"]) == PROVENANCE_FIELDS
     assert result["pending"] == []
     # The random model never answers: vt is excluded with its full-cache score.
-    assert [(e["task"], e["context_tokens"], e["n"]) for e in result["excluded"]] == [("vt", 160, 2)]
+    assert [(e["task"], e["context_tokens"], e["n"]) for e in result["excluded"]] == [("vt", 256, 2)]
     needle = [r for r in result["rows"] if r["protocol"] != PERPLEXITY]
     text = [r for r in result["rows"] if r["protocol"] == PERPLEXITY]
     assert all(set(r) == NEEDLE_FIELDS for r in needle) and all(set(r) == TEXT_FIELDS for r in text)
@@ -102,17 +102,20 @@ def test_rows_schema_and_statistics(tiny, tmp_path, fake_corpora):
     increase = [r["nll"]["snapkv@0.25"] - r["nll"][FULL] for r in records]
     assert row["score"] == pytest.approx(sum(increase) / 3)
     assert row["ci95"] == list(bootstrap_interval(increase))
-    shard = tmp_path / "shards" / "question_after" / "niah_multikey" / "160.jsonl"
+    shard = tmp_path / "shards" / "question_after" / "niah_multikey" / "256.jsonl"
     records = [json.loads(line) for line in shard.read_text().splitlines()]
     row = next(r for r in needle if (r["protocol"], r["task"], r["method"], r["budget"])
                == ("question_after", "niah_multikey", "knorm", 0.5))  # fmt: skip
     scores = [r["scores"]["knorm@0.5"] for r in records]
+    # Prompt and answer fit in the context length.
+    assert all(r["prompt_tokens"] + MAX_NEW_TOKENS["niah_multikey"] <= 256 for r in records)
+    assert max(r["prompt_tokens"] for r in records) > 256 * 0.6
     assert row["score"] == pytest.approx(sum(scores) / 3) and row["ci95"] == list(wilson_interval(scores))
 
 
 def test_budget_covering_the_prompt_matches_the_full_cache(tiny, tmp_path, fake_corpora):
     model, tokenizer = tiny
-    config = small_config(budgets=[1.0], screened_tasks=[], samples={160: 2}, text_windows={96: 2})
+    config = small_config(budgets=[1.0], screened_tasks=[], samples={256: 2}, text_windows={96: 2})
     for row in run(model, tokenizer, config, tmp_path)["rows"]:
         if row["protocol"] == PERPLEXITY:
             assert row["score"] == pytest.approx(0.0, abs=1e-4)
@@ -132,13 +135,13 @@ def test_resumes_where_it_stopped(tiny, tmp_path, fake_corpora):
     assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"]
     assert shard_lines(tmp_path) == lines
     # An interrupted shard (last sample lost, a torn line left) is completed, to the same rows.
-    shard = tmp_path / "shards" / "question_in" / "niah_single" / "160.jsonl"
+    shard = tmp_path / "shards" / "question_in" / "niah_single" / "256.jsonl"
     kept = shard.read_text().splitlines()[:-1]
     shard.write_text("\n".join(kept) + '\n{"index": 2, "predic')
     partial = benchmark_result(
         config, tmp_path, Benchmark(model, tokenizer, config, tmp_path).fingerprint, {}
     )
-    assert {"protocol": "question_in", "task": "niah_single", "context_tokens": 160, "done": 2, "n": 3} in (
+    assert {"protocol": "question_in", "task": "niah_single", "context_tokens": 256, "done": 2, "n": 3} in (
         partial["pending"]
     )
     assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"]
@@ -152,7 +155,7 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     monkeypatch.setattr("eval.__main__.load_model", lambda name, device: (model, tokenizer))
     monkeypatch.setattr("sys.argv", ["python -m eval", "benchmark"])
     out = tmp_path / "bench"
-    args = ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "160",
+    args = ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "256",
             "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "", "--protocols", "question_in",
             "--corpora", "angular", "--text-contexts", "96", "--text-windows", "2", "--continuation-tokens", "8",
             "--essays-dir", ""]  # fmt: skip
@@ -312,9 +315,9 @@ def test_config_errors():
     with pytest.raises(ValueError, match="corpora"):
         small_config(corpora=["wikipedia"])
     with pytest.raises(ValueError, match="no sample count"):
-        small_config(contexts=[160, 320])
+        small_config(contexts=[256, 320])
     with pytest.raises(ValueError, match="sample counts"):
-        small_config(samples={160: 0})
+        small_config(samples={256: 0})
     with pytest.raises(ValueError, match="min_full_score"):
         small_config(min_full_score=30)
     assert method_key(FULL, None) == FULL and method_key("kvp", 0.1) == "kvp@0.1"
