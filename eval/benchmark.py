@@ -441,7 +441,7 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
             continue
         rows += needle_rows(config, protocol, task, context, done)
         pooled_scores.setdefault((protocol, context), []).extend(done)
-        seconds[f"{protocol}/{task}/{context}"] = sum(r["seconds"] for r in done)
+        seconds[f"{protocol}/{task}/{context}"] = cost(done)
     unfinished = {(p["protocol"], p["context_tokens"]) for p in pending}
     for (protocol, context), done in pooled_scores.items():
         if (protocol, context) not in unfinished:
@@ -464,11 +464,21 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
                 continue
             rows += text_rows(config, name, context, done)
             pooled_scores.setdefault((PERPLEXITY, context), []).extend(done)
-            seconds[f"{PERPLEXITY}/{name}/{context}"] = sum(r["seconds"] for r in done)
+            seconds[f"{PERPLEXITY}/{name}/{context}"] = cost(done)
         finished = not any(p["protocol"] == PERPLEXITY and p["context_tokens"] == context for p in pending)
         if finished and pooled_scores.get((PERPLEXITY, context)):
             rows += text_rows(config, ALL, context, pooled_scores[(PERPLEXITY, context)])
     return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
+
+
+def cost(records: list[dict]) -> dict:
+    """A cell's measured cost: samples, wall seconds and CPU seconds of this process (one thread:
+    the time on a dedicated core, whatever else ran on the machine)."""
+    return {
+        "n": len(records),
+        "wall_seconds": sum(r["seconds"] for r in records),
+        "cpu_seconds": sum(r["cpu_seconds"] for r in records),
+    }
 
 
 def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: str, provenance: dict) -> dict:

@@ -174,9 +174,26 @@ def headline(result: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def cost_lines(result: dict) -> list[str]:
+    """Measured CPU seconds per sample of every finished cell (threads as in the provenance)."""
+    if not result["seconds"]:
+        return []
+    body = [
+        [cell, cost["n"], f"{cost['cpu_seconds'] / cost['n']:.0f}", f"{cost['cpu_seconds'] / 3600:.2f}"]
+        for cell, cost in result["seconds"].items()
+    ]
+    threads = result["provenance"].get("threads")
+    return [
+        f"Cost ({threads} thread(s); CPU time of the run, i.e. time on a dedicated core):",
+        "",
+        markdown_table(["cell", "samples", "CPU s per sample", "CPU hours"], body),
+        "",
+    ]
+
+
 def report_markdown(result: dict) -> str:
     pending = result["pending"]
-    lines = section_tables(result, pooled_only=False) + excluded_lines(result)
+    lines = section_tables(result, pooled_only=False) + excluded_lines(result) + cost_lines(result)
     if pending:
         lines.append(f"Unfinished cells: {len(pending)} (rerun the benchmark command to resume).")
     return "\n".join(lines) + "\n"

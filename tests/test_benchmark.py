@@ -174,6 +174,8 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     table = (out / "benchmark.md").read_text()
     assert "| oracle |" in table and "| tova |" in table and "budget 0.25" in table
+    assert "CPU s per sample" in table and "| perplexity/angular/96 | 2 |" in table
+    assert result["seconds"]["question_in/niah_single/256"]["n"] == 2
     snippet = (out / "headline.md").read_text()
     assert snippet == headline(result) and "Budget 10%" in snippet and "real text 96" in snippet
     # `report` regenerates the same files from the JSON alone.
