@@ -148,17 +148,21 @@ def run_demo(
     if essays is None and DEFAULT_ESSAYS.is_dir():
         essays = DEFAULT_ESSAYS
     haystack = ruler.load_haystack(essays)  # a bad essays directory fails before the model loads
+    offline = MODELS.get(model_name)
+    if method is None and policy is None:
+        if model is not None:
+            model_id = model.config.name_or_path
+        else:
+            model_id = offline.model_id if offline is not None else model_name
+        policy = default_policy(model_id)
     if model is None or tokenizer is None:
         with tqdm(total=1, desc=f"Loading {model_name}", leave=False) as bar:
             model, tokenizer = load_model(model_name)
             bar.update(1)
-    if method is None and policy is None:
-        policy = default_policy(model.config.name_or_path)
 
-    sample = ruler.make_samples("niah_single", tokenizer, context_tokens, n=1, seed=seed, haystack=haystack)[
-        0
-    ]
-    offline = MODELS.get(model_name)
+    (sample,) = ruler.make_samples(
+        "niah_single", tokenizer, context_tokens, n=1, seed=seed, haystack=haystack
+    )
     chat = offline.chat if offline is not None else bool(getattr(tokenizer, "chat_template", None))
     prompt, _ = prompt_for(sample, tokenizer, chat=chat, question_in_context=True)
     input_ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]

@@ -131,6 +131,8 @@ def test_run_demo_rejects_bad_arguments_before_loading():
         demo.run_demo(method="knorm", max_new_tokens=0)
     with pytest.raises(FileNotFoundError, match="essays_dir"):
         demo.run_demo(method="knorm", essays="/nonexistent/essays")
+    with pytest.raises(ValueError, match="no KVP policy ships for google/gemma-3-270m"):
+        demo.run_demo(model_name="gemma3-270m")  # no method, no policy, none shipped for Gemma (yet)
 
 
 def test_default_policy_is_the_one_trained_for_the_model():
