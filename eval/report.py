@@ -176,7 +176,7 @@ def headline(result: dict) -> str:
 
 def cost_lines(result: dict) -> list[str]:
     """Measured CPU seconds per sample of every finished cell (threads as in the provenance)."""
-    if not result["seconds"]:
+    if not result.get("seconds"):
         return []
     body = [
         [cell, cost["n"], f"{cost['cpu_seconds'] / cost['n']:.0f}", f"{cost['cpu_seconds'] / 3600:.2f}"]
@@ -202,9 +202,8 @@ def report_markdown(result: dict) -> str:
 def update_docs(result: dict, model: str, docs: Path = DOCS) -> None:
     """Replace the generated block of ``docs`` (appended the first time) with the pooled tables."""
     begin = DOCS_BEGIN.format(model=model)
-    block = "\n".join(
-        [begin, "", *section_tables(result, pooled_only=True), *excluded_lines(result), DOCS_END]
-    )
+    tables = section_tables(result, pooled_only=True) + excluded_lines(result) + cost_lines(result)
+    block = "\n".join([begin, "", *tables, DOCS_END])
     text = docs.read_text(encoding="utf-8") if docs.exists() else ""
     pattern = re.compile(re.escape(begin.split(" from ")[0]) + r".*?" + re.escape(DOCS_END), re.DOTALL)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block
