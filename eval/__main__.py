@@ -154,7 +154,7 @@ def run_sweep_command(args, model, tokenizer, policy) -> None:
 
     config = SweepConfig(
         methods=parse_methods(args.methods, args.policy),
-        budgets=args.budgets if isinstance(args.budgets, list) else comma_list(parse_budget)(args.budgets),
+        budgets=args.budgets,
         tasks=[t.strip() for t in args.task.split(",") if t.strip()],
         context_tokens=args.context_tokens,
         samples=args.samples,

@@ -118,6 +118,10 @@ class BenchmarkConfig:
         """The compressed methods of every cell, the oracle last."""
         return self.methods + ([ORACLE] if self.oracle else [])
 
+    def grid(self) -> list[tuple[str, Budget | None]]:
+        """Every row of a cell: the full cache, then each (method, budget)."""
+        return [(FULL, None)] + [(m, b) for m in self.row_methods() for b in self.budgets]
+
     def fingerprint(self, policy_sha256: str | None) -> str:
         """What a shard record depends on; records of another fingerprint are recomputed."""
         keys = {
@@ -347,7 +351,7 @@ def needle_rows(
 ) -> list[dict]:
     """Rows of one needle cell: the full cache, then every method x budget (accuracy, Wilson CI)."""
     rows = []
-    for method, budget in [(FULL, None)] + [(m, b) for m in config.row_methods() for b in config.budgets]:
+    for method, budget in config.grid():
         scores = [r["scores"][method_key(method, budget)] for r in records]
         rows.append(
             {
@@ -369,7 +373,7 @@ def text_rows(config: BenchmarkConfig, name: str, context: int, records: list[di
     """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs)."""
     full = [r["nll"][FULL] for r in records]
     rows = []
-    for method, budget in [(FULL, None)] + [(m, b) for m in config.row_methods() for b in config.budgets]:
+    for method, budget in config.grid():
         nll = [r["nll"][method_key(method, budget)] for r in records]
         increase = [a - b for a, b in zip(nll, full, strict=True)]
         rows.append(
@@ -406,6 +410,15 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
         return Shard(shards / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint).records()
 
     rows, pending, excluded, seconds = [], [], [], {}
+
+    def finished(cell: dict, found: dict[int, dict], wanted: int) -> list[dict] | None:
+        """The cell's records in index order when all ``wanted`` are done; else None, noted as pending."""
+        done = [found[i] for i in range(wanted) if i in found]
+        if len(done) < wanted:
+            pending.append({**cell, "done": len(done), "n": wanted})
+            return None
+        return done
+
     pooled_scores: dict[tuple, list[dict]] = {}
     for context in config.contexts:
         for task in config.screened_tasks:
@@ -425,19 +438,9 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
     for protocol, task, context in _cells(config):
         if (task, context) in skipped:
             continue
-        found = records(protocol, task, context)
-        wanted = config.samples[context]
-        done = [found[i] for i in range(wanted) if i in found]
-        if len(done) < wanted:
-            pending.append(
-                {
-                    "protocol": protocol,
-                    "task": task,
-                    "context_tokens": context,
-                    "done": len(done),
-                    "n": wanted,
-                }
-            )
+        cell = {"protocol": protocol, "task": task, "context_tokens": context}
+        done = finished(cell, records(protocol, task, context), config.samples[context])
+        if done is None:
             continue
         rows += needle_rows(config, protocol, task, context, done)
         pooled_scores.setdefault((protocol, context), []).extend(done)
@@ -448,19 +451,9 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
             rows += needle_rows(config, protocol, ALL, context, done)
     for context in config.text_contexts:
         for name in config.corpora:
-            found = records(PERPLEXITY, name, context)
-            wanted = config.text_windows[context]
-            done = [found[i] for i in range(wanted) if i in found]
-            if len(done) < wanted:
-                pending.append(
-                    {
-                        "protocol": PERPLEXITY,
-                        "corpus": name,
-                        "context_tokens": context,
-                        "done": len(done),
-                        "n": wanted,
-                    }
-                )
+            cell = {"protocol": PERPLEXITY, "corpus": name, "context_tokens": context}
+            done = finished(cell, records(PERPLEXITY, name, context), config.text_windows[context])
+            if done is None:
                 continue
             rows += text_rows(config, name, context, done)
             pooled_scores.setdefault((PERPLEXITY, context), []).extend(done)
