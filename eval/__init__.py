@@ -1,4 +1,5 @@
-"""Evaluation tooling run from a checkout: ``python -m eval sweep ...`` and lm-eval task configs in ``eval/tasks``."""
+"""Evaluation tooling run from a checkout: ``python -m eval sweep|benchmark|report ...`` and lm-eval task
+configs in ``eval/tasks`` (see docs/eval.md)."""
 
 from pathlib import Path
 
