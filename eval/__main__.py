@@ -179,7 +179,7 @@ def run_sweep_command(args, model, tokenizer, policy) -> None:
 
 def run_benchmark_command(args, model, tokenizer, policy) -> None:
     from eval.benchmark import Benchmark, BenchmarkConfig, benchmark_result
-    from eval.report import DOCS, write_report
+    from eval.report import DOCS, README, write_report
 
     options = {
         "tasks": args.tasks,
@@ -214,8 +214,9 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "benchmark.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
-    # The canonical run (default --out) also regenerates docs/eval.md's tables.
-    paths = write_report(result, out, docs=DOCS if args.out is None else None)
+    # The canonical run (default --out) also regenerates docs/eval.md's tables and the README headline.
+    canonical = args.out is None
+    paths = write_report(result, out, docs=DOCS if canonical else None, readme=README if canonical else None)
     print(f"wrote {path}, " + ", ".join(str(p) for p in paths))
     if result["pending"]:
         print(f"{len(result['pending'])} cells unfinished: run the same command again to resume")

@@ -18,7 +18,7 @@ from eval.__main__ import main
 from eval.benchmark import ALL, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, oracle_scorer
-from eval.report import headline, update_docs
+from eval.report import README_BEGIN, README_END, headline, update_docs
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS
 from kvp_cache import KVPCache
@@ -215,6 +215,19 @@ def test_report_marks_the_best_and_every_overlapping_method(tmp_path):
     assert "| **kvp** | **70.0 (60-80)** |" not in text  # the name column is never bold
     assert "| kvp | **70.0 (60-80)** |" in text and "| snapkv | **62.0 (50-70)** |" in text
     assert "| knorm | 30.0 (20-40) |" in text and "| oracle | 95.0 (90-99) |" in text
+
+    # The README's headline block is replaced where its model's marker is, never appended.
+    readme, other = tmp_path / "README.md", tmp_path / "OTHER.md"
+    marker = README_BEGIN.format(model="m")
+    readme.write_text(f"# R\n\n{marker}\nold numbers\n{README_END}\n\nAfter.\n")
+    other.write_text("# No marker\n")
+    update_docs(result, "m", docs, readme)
+    update_docs(result, "m", docs, other)
+    text = readme.read_text()
+    assert (
+        "old numbers" not in text and headline(result) in text and text.endswith(f"{README_END}\n\nAfter.\n")
+    )
+    assert other.read_text() == "# No marker\n"
 
 
 def test_wilson_and_bootstrap_intervals():
