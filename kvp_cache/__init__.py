@@ -6,8 +6,8 @@ check_transformers_version()
 
 from kvp_cache.budget import validate_budget  # noqa: E402
 from kvp_cache.cache import KVPCache  # noqa: E402
-from kvp_cache.policy import KVPolicy, load_policy, shipped_policies  # noqa: E402
 from kvp_cache.models import load_model  # noqa: E402
+from kvp_cache.policy import KVPolicy, load_policy, shipped_policies  # noqa: E402
 from kvp_cache.scorers import Scorer, available_methods, make_scorer, methods, register_scorer  # noqa: E402
 
 __version__ = "0.1.0"

@@ -99,7 +99,7 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
         f'tokenizer = AutoTokenizer.from_pretrained("{base}")',
         f'cache = KVPCache.from_pretrained("{where}", model=model, budget=0.25)',
         'inputs = tokenizer("...a long prompt...", return_tensors="pt")',
-        "output = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)",
+        "output = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values= before 5.24",
         "```",
         "",
         "## Architecture",

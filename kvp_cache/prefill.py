@@ -3,7 +3,7 @@
 ``prefill`` runs the model over the prompt with a plain ``DynamicCache`` and every prompt query
 captured. ``KVPCache.from_prefill`` then builds an already-compressed cache for any (method,
 budget) from it without running the model again, and ``generate_after_prefill`` decodes from it
-greedily. The result is token-identical to ``model.generate(input_ids, past_key_values=KVPCache(...))``:
+greedily. The result is token-identical to ``model.generate(input_ids, cache=KVPCache(...))``:
 the first new token comes from the exact prefill logits, later ones from the compressed cache.
 """
 
@@ -46,8 +46,13 @@ def prefill(
     queries: dict = {}
     capture.attach(queries)
     try:
+        # Only the last position's logits: a 262K vocabulary (Gemma 3) over 8K tokens would be 8.6 GB.
         out = model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=True, **{cache_kwarg(model): cache}
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kwarg(model): cache},
         )
     finally:
         capture.detach()

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvp_cache.cache import KVPCache
-from kvp_cache.compat import cache_argument
+from kvp_cache.compat import cache_argument, cache_kwarg
 
 
 @dataclass
@@ -57,7 +57,7 @@ def ids(batch=1, length=48, seed=0, vocab=256):
 def greedy(model, input_ids, cache, max_new_tokens=6, **kwargs):
     out = model.generate(
         input_ids,
-        past_key_values=cache,
+        **{cache_kwarg(model): cache},
         max_new_tokens=max_new_tokens,
         do_sample=False,
         output_logits=True,
@@ -83,11 +83,11 @@ def check_generate_against_reference(model, prompt, cache, attention_mask=None, 
 @torch.no_grad()
 def teacher_forced_logprobs(model, prompt: torch.Tensor, continuation: torch.Tensor, cache) -> torch.Tensor:
     """Log-probabilities ``[n]`` of ``continuation`` (``[n]``) fed one token at a time after ``prompt``."""
-    step = model(prompt, past_key_values=cache).logits[:, -1]
+    step = model(prompt, **{cache_kwarg(model): cache}).logits[:, -1]
     scores = []
     for token in continuation:
         scores.append(torch.log_softmax(step.float(), -1)[0, token])
-        step = model(token.view(1, 1), past_key_values=cache).logits[:, -1]
+        step = model(token.view(1, 1), **{cache_kwarg(model): cache}).logits[:, -1]
     return torch.stack(scores)
 
 

@@ -20,6 +20,7 @@ from transformers import DynamicCache
 
 from kvp_cache import KVPCache, available_methods
 from kvp_cache.cache import EvictingLayer
+from kvp_cache.compat import cache_kwarg
 from kvp_cache.scorers import SCORERS, Scorer, methods
 
 KV_ONLY = ["knorm", "keydiff", "streaming_llm", "random", "lagkv"]
@@ -58,7 +59,7 @@ def test_every_method_matches_reference(method, attn):
 def test_kept_entries_stay_in_original_order():
     model = tiny_model("llama")
     cache = make_cache(model, "random", budget=16, sink_tokens=2, window_tokens=2)
-    model(ids(length=40), past_key_values=cache)
+    model(ids(length=40), **{cache_kwarg(model): cache})
     for layer in cache.evicting_layers:
         positions = layer.positions
         assert positions.shape[-1] == 16
@@ -70,20 +71,20 @@ def test_kept_entries_stay_in_original_order():
 def test_sinks_and_window_always_kept():
     model = tiny_model("llama")
     cache = make_cache(model, "random", budget=24, sink_tokens=4, window_tokens=8)
-    model(ids(length=64), past_key_values=cache)
+    model(ids(length=64), **{cache_kwarg(model): cache})
     for layer in cache.evicting_layers:
         kept = set(layer.positions[0, 0].tolist())
         assert {0, 1, 2, 3} <= kept and set(range(56, 64)) <= kept
 
 
 def test_direct_forward_uses_logical_positions():
-    """A direct model(next_ids, past_key_values=cache) gets RoPE positions from the logical length."""
+    """A direct model(next_ids, cache=cache) gets RoPE positions from the logical length."""
     model = tiny_model("llama")
     cache = make_cache(model, "knorm", budget=12)
     recorder = ForwardRecorder(model, cache)
     prompt, continuation = ids(length=40), ids(length=5, seed=3)
-    model(prompt, past_key_values=cache)
-    observed = [model(continuation[:, i : i + 1], past_key_values=cache).logits for i in range(5)]
+    model(prompt, **{cache_kwarg(model): cache})
+    observed = [model(continuation[:, i : i + 1], **{cache_kwarg(model): cache}).logits for i in range(5)]
     recorder.remove()
     assert cache.get_seq_length() == 45
     assert cache.get_mask_sizes(1, 0) == (12 + 5 + 1, 45 - 17)
@@ -96,7 +97,7 @@ def test_generate_resumes_from_prefilled_cache():
     prompt = ids(length=40)
     cache = make_cache(model, "knorm", budget=12)
     recorder = ForwardRecorder(model, cache)
-    model(prompt[:, :-1], past_key_values=cache)
+    model(prompt[:, :-1], **{cache_kwarg(model): cache})
     sequences, logits = greedy(model, prompt, cache, 5)
     recorder.remove()
     assert [s.length for s in recorder.snapshots] == [39, 1, 1, 1, 1, 1]  # only the last prompt token re-fed
@@ -139,7 +140,7 @@ def test_beam_search_and_return_sequences(method):
     cache = make_cache(model, method, budget=16)
     out = model.generate(
         prompt,
-        past_key_values=cache,
+        **{cache_kwarg(model): cache},
         num_beams=3,
         num_return_sequences=3,
         max_new_tokens=5,
@@ -154,7 +155,7 @@ def test_beam_search_and_return_sequences(method):
     for row in range(3):  # each returned beam scores the same when teacher-forced through a fresh cache
         forced = make_cache(model, method, budget=16)
         logits = model(
-            out.sequences[row : row + 1, :-1], past_key_values=forced
+            out.sequences[row : row + 1, :-1], **{cache_kwarg(model): forced}
         ).logits  # prompt + 4 in one go
         del logits
         forced = make_cache(model, method, budget=16)
@@ -169,7 +170,10 @@ def test_full_budget_is_token_identical_to_dynamic_cache_for_every_method():
     for method in sorted(set(available_methods()) - {"kvp"}):
         for budget in (1.0, 40, 100):
             out = model.generate(
-                prompt, past_key_values=make_cache(model, method, budget), max_new_tokens=8, do_sample=False
+                prompt,
+                **{cache_kwarg(model): make_cache(model, method, budget)},
+                max_new_tokens=8,
+                do_sample=False,
             )
             assert torch.equal(out, expected), (method, budget)
 
@@ -179,7 +183,7 @@ def test_physical_length_is_the_budget_after_prefill(kind):
     model = tiny_model(kind)
     for budget, expected in ((0.25, 15), (10, 10)):
         cache = make_cache(model, "keydiff", budget=budget)
-        model(ids(length=60), past_key_values=cache)
+        model(ids(length=60), **{cache_kwarg(model): cache})
         assert cache.evicting_layers, "every family has full-attention layers"
         for layer in cache.evicting_layers:
             assert layer.keys.shape[-2] == layer.values.shape[-2] == expected
@@ -220,9 +224,9 @@ def test_multi_turn_second_generate_continues_correctly():
 def test_reset_crop_reorder_and_batch_methods_keep_metadata_consistent():
     model = tiny_model("llama")
     cache = make_cache(model, "knorm", budget=10)
-    model(ids(batch=2, length=30), past_key_values=cache)
+    model(ids(batch=2, length=30), **{cache_kwarg(model): cache})
     for t in range(3):
-        model(ids(batch=2, length=1, seed=t), past_key_values=cache)
+        model(ids(batch=2, length=1, seed=t), **{cache_kwarg(model): cache})
     layer = cache.evicting_layers[0]
 
     def consistent():
@@ -252,7 +256,7 @@ def test_reset_crop_reorder_and_batch_methods_keep_metadata_consistent():
     assert layer.keys.shape[0] == 2
     cache.reset()
     assert cache.get_seq_length() == 0 and not layer.is_initialized
-    model(ids(batch=1, length=30), past_key_values=cache)  # reusable after reset
+    model(ids(batch=1, length=30), **{cache_kwarg(model): cache})  # reusable after reset
     consistent()
     assert layer.keys.shape[-2] == 10
 
@@ -261,11 +265,11 @@ def test_reset_crop_reorder_and_batch_methods_keep_metadata_consistent():
 def test_deepcopy_is_independent_and_usable():
     model = tiny_model("llama")
     cache = make_cache(model, "snapkv", budget=10)
-    model(ids(length=30), past_key_values=cache)
+    model(ids(length=30), **{cache_kwarg(model): cache})
     clone = copy.deepcopy(cache)
     token = ids(length=1, seed=9)
-    a = model(token, past_key_values=cache).logits
-    b = model(token, past_key_values=clone).logits
+    a = model(token, **{cache_kwarg(model): cache}).logits
+    b = model(token, **{cache_kwarg(model): clone}).logits
     torch.testing.assert_close(a, b)
     assert cache.evicting_layers[0].keys is not clone.evicting_layers[0].keys
     assert clone.settings.scorer is cache.settings.scorer
@@ -280,7 +284,7 @@ def test_config_built_cache_works_for_key_value_methods():
 def test_bfloat16_model_keeps_dtype():
     model = tiny_model("llama").to(torch.bfloat16)
     cache = make_cache(model, "expected_attention", budget=10)
-    out = model.generate(ids(length=30), past_key_values=cache, max_new_tokens=3, do_sample=False)
+    out = model.generate(ids(length=30), **{cache_kwarg(model): cache}, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 33)
     assert cache.evicting_layers[0].keys.dtype == torch.bfloat16
 
@@ -289,10 +293,10 @@ def test_kv_bytes_is_budget_times_full_plus_small_metadata():
     model = tiny_model("llama")
     prompt = ids(length=400, vocab=256)
     full = DynamicCache(config=model.config)
-    model(prompt, past_key_values=full)
+    model(prompt, **{cache_kwarg(model): full})
     full_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in full.layers)
     cache = KVPCache(model, method="knorm", budget=0.25)
-    model(prompt, past_key_values=cache)
+    model(prompt, **{cache_kwarg(model): cache})
     assert 0.25 * full_bytes <= cache.kv_bytes() <= 0.25 * full_bytes * 1.01
 
 
@@ -304,7 +308,7 @@ def test_hooks_are_removed_when_cache_is_collected():
     attention = model.model.layers[0].self_attn
     before = (len(decoder._forward_pre_hooks), len(decoder._forward_hooks))
     cache = make_cache(model, "snapkv", budget=10)
-    model(ids(length=30), past_key_values=cache)
+    model(ids(length=30), **{cache_kwarg(model): cache})
     assert len(attention._forward_pre_hooks) == 0, "query capture is removed after the forward"
     del cache
     gc.collect()

@@ -6,6 +6,7 @@ from conftest import tiny_model
 from transformers import BertConfig, LlamaConfig, T5Config
 
 from kvp_cache import KVPCache, make_scorer, validate_budget
+from kvp_cache.compat import cache_kwarg
 
 
 @pytest.mark.parametrize(
@@ -85,14 +86,15 @@ def test_cache_passed_to_another_model_instance():
     model, other = tiny_model("llama"), tiny_model("llama", seed=1)
     cache = KVPCache(model, budget=8)
     with pytest.raises(RuntimeError, match="built for another model"):
-        other(torch.randint(0, 256, (1, 20)), past_key_values=cache)
+        other(torch.randint(0, 256, (1, 20)), **{cache_kwarg(other): cache})
 
 
 def test_cache_from_config_of_another_architecture():
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2)
     cache = KVPCache(config, budget=8)
     with pytest.raises(ValueError, match="built for 4 KV heads"):
-        tiny_model("llama")(torch.randint(0, 256, (1, 20)), past_key_values=cache)
+        model = tiny_model("llama")
+        model(torch.randint(0, 256, (1, 20)), **{cache_kwarg(model): cache})
 
 
 def test_unsupported_transformers_version():

@@ -19,6 +19,7 @@ from reference import (
 from transformers import DynamicCache
 
 from kvp_cache import KVPCache, KVPolicy
+from kvp_cache.compat import cache_kwarg
 from kvp_cache.integrations import forward_tokens
 from kvp_cache.prefill import prefill
 from kvp_cache.scorers import Scorer, methods
@@ -50,7 +51,7 @@ def test_first_prefill_question_and_answer_see_compressed_context_and_themselves
     context, question = ids(length=40), ids(length=10, seed=1)
     cache = make_cache(model, method, budget=12, compress="first_prefill")
     recorder = ForwardRecorder(model, cache)
-    model(context, past_key_values=cache)
+    model(context, **{cache_kwarg(model): cache})
     assert physical(cache) == 12
     prompt = torch.cat([context, question], -1)
     sequences, logits = greedy(model, prompt, cache, 5)
@@ -80,14 +81,14 @@ def test_first_prefill_deepcopy_serves_many_questions():
     model = tiny_model("llama")
     context = ids(length=40)
     cache = make_cache(model, "snapkv", budget=12, compress="first_prefill")
-    model(context, past_key_values=cache)
+    model(context, **{cache_kwarg(model): cache})
     for seed in (3, 4):
         prompt = torch.cat([context, ids(length=8, seed=seed)], -1)
         own = copy.deepcopy(cache)
-        got = model.generate(prompt, past_key_values=own, max_new_tokens=5, do_sample=False)
+        got = model.generate(prompt, **{cache_kwarg(model): own}, max_new_tokens=5, do_sample=False)
         fresh = make_cache(model, "snapkv", budget=12, compress="first_prefill")
-        model(context, past_key_values=fresh)
-        expected = model.generate(prompt, past_key_values=fresh, max_new_tokens=5, do_sample=False)
+        model(context, **{cache_kwarg(model): fresh})
+        expected = model.generate(prompt, **{cache_kwarg(model): fresh}, max_new_tokens=5, do_sample=False)
         assert torch.equal(got, expected)
     assert physical(cache) == 12 and cache.get_seq_length() == 40  # the original is untouched
 
@@ -95,8 +96,8 @@ def test_first_prefill_deepcopy_serves_many_questions():
 def test_every_prefill_still_evicts_the_question():
     model = tiny_model("llama")
     cache = make_cache(model, "knorm", budget=12)
-    model(ids(length=40), past_key_values=cache)
-    model(ids(length=10, seed=1), past_key_values=cache)
+    model(ids(length=40), **{cache_kwarg(model): cache})
+    model(ids(length=10, seed=1), **{cache_kwarg(model): cache})
     assert physical(cache) == 12
 
 
@@ -140,10 +141,12 @@ def test_capped_decoding_on_every_family(kind):
 def test_cap_above_total_length_is_token_identical_to_dynamic_cache(method):
     model = tiny_model("llama", attn_implementation="sdpa")
     prompt = ids(length=30)
-    expected = model.generate(prompt, past_key_values=DynamicCache(config=model.config), max_new_tokens=10)
+    expected = model.generate(
+        prompt, **{cache_kwarg(model): DynamicCache(config=model.config)}, max_new_tokens=10
+    )
     cache = make_cache(model, method, budget=1.0, max_cache_tokens=40, evict_every=1)
     assert torch.equal(
-        model.generate(prompt, past_key_values=cache, max_new_tokens=10, do_sample=False), expected
+        model.generate(prompt, **{cache_kwarg(model): cache}, max_new_tokens=10, do_sample=False), expected
     )
 
 
@@ -154,7 +157,7 @@ def test_budget_then_cap_with_first_prefill_and_a_question():
     )
     recorder = ForwardRecorder(model, cache)
     context = ids(length=40)
-    model(context, past_key_values=cache)
+    model(context, **{cache_kwarg(model): cache})
     assert physical(cache) == 20  # the budget; within max_cache_tokens + evict_every
     prompt = torch.cat([context, ids(length=6, seed=5)], -1)
     sequences, logits = greedy(model, prompt, cache, 8)
@@ -198,7 +201,7 @@ def test_per_token_scores_are_computed_once_and_kept():
 def test_kvp_stored_scores_are_the_policy_scores_at_entry():
     model = tiny_model("llama")
     cache = make_cache(model, "kvp", budget=8, max_cache_tokens=8, evict_every=2)
-    model.generate(ids(length=20), past_key_values=cache, max_new_tokens=8, do_sample=False)
+    model.generate(ids(length=20), **{cache_kwarg(model): cache}, max_new_tokens=8, do_sample=False)
     policy = cache.settings.scorer.policy  # "clamp" positions: a token's score depends on itself alone
     for layer in cache.evicting_layers:
         assert layer.positions.max() >= 20  # decoded tokens are among the kept ones
@@ -239,7 +242,7 @@ def test_capped_beam_search_scores_equal_teacher_forcing(method):
     options = dict(budget=16, max_cache_tokens=12, evict_every=2)
     out = model.generate(
         prompt,
-        past_key_values=make_cache(model, method, **options),
+        **{cache_kwarg(model): make_cache(model, method, **options)},
         num_beams=3,
         num_return_sequences=3,
         max_new_tokens=8,
@@ -264,14 +267,16 @@ def test_crop_of_tokens_since_the_last_eviction(method):
     options = dict(budget=16, max_cache_tokens=16, evict_every=4)
     cropped, straight = make_cache(model, method, **options), make_cache(model, method, **options)
     for cache, tokens in ((cropped, decoded), (straight, decoded[:, :2])):
-        model(ids(length=30), past_key_values=cache)
+        model(ids(length=30), **{cache_kwarg(model): cache})
         for t in range(tokens.shape[1]):
-            model(tokens[:, t : t + 1], past_key_values=cache)
+            model(tokens[:, t : t + 1], **{cache_kwarg(model): cache})
     cropped.crop(-2)  # back to the state after two decoded tokens
     logits = {}
     for name, cache in (("cropped", cropped), ("straight", straight)):
         # decoding on triggers the cap: it must rank with what survived the crop (scores, queries)
-        logits[name] = torch.cat([model(t.view(1, 1), past_key_values=cache).logits for t in later[0]])
+        logits[name] = torch.cat(
+            [model(t.view(1, 1), **{cache_kwarg(model): cache}).logits for t in later[0]]
+        )
         assert cache.evicting_layers[0].appended_since_eviction < 6
     torch.testing.assert_close(logits["cropped"], logits["straight"])
     assert cropped.evicting_layers[0].positions.tolist() == straight.evicting_layers[0].positions.tolist()
@@ -285,15 +290,15 @@ def test_reset_and_deepcopy_keep_the_schedule():
     options = dict(budget=0.5, compress="first_prefill", max_cache_tokens=10, evict_every=2)
     cache = make_cache(model, "kvp", **options)
     prompt = ids(length=30)
-    first = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    first = model.generate(prompt, **{cache_kwarg(model): cache}, max_new_tokens=8, do_sample=False)
     cache.reset()
     assert cache.get_seq_length() == 0 and not cache.evicting_layers[0].compressed
-    again = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    again = model.generate(prompt, **{cache_kwarg(model): cache}, max_new_tokens=8, do_sample=False)
     assert torch.equal(first, again)
     clone = copy.deepcopy(cache)
     token = ids(length=1, seed=9)
     torch.testing.assert_close(
-        model(token, past_key_values=cache).logits, model(token, past_key_values=clone).logits
+        model(token, **{cache_kwarg(model): cache}).logits, model(token, **{cache_kwarg(model): clone}).logits
     )
     assert (
         clone.settings == cache.settings
@@ -314,13 +319,13 @@ def test_from_prefill_follows_the_schedule(method):
         window_tokens=2,
     )
     direct = make_cache(model, method, **options)
-    model(prompt[:, :-1], past_key_values=direct)
+    model(prompt[:, :-1], **{cache_kwarg(model): direct})
     scorer = direct.settings.scorer  # shared: the same (possibly random) policy
     built = KVPCache.from_prefill(
         prefill(model, prompt[:, :-1]), model, method=scorer, track_positions=True, **options
     )
     assert built.evicting_layers[0].compressed
-    a = model.generate(prompt, past_key_values=built, max_new_tokens=10, do_sample=False)
-    b = model.generate(prompt, past_key_values=direct, max_new_tokens=10, do_sample=False)
+    a = model.generate(prompt, **{cache_kwarg(model): built}, max_new_tokens=10, do_sample=False)
+    b = model.generate(prompt, **{cache_kwarg(model): direct}, max_new_tokens=10, do_sample=False)
     assert torch.equal(a, b)
     assert built.evicting_layers[0].positions.tolist() == direct.evicting_layers[0].positions.tolist()

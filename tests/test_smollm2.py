@@ -5,6 +5,7 @@ import torch
 from reference import ForwardRecorder, reference_logits
 
 from kvp_cache import KVPCache
+from kvp_cache.compat import cache_kwarg
 from kvp_cache.ruler import chat_prompt, load_haystack, make_samples
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ def test_generate_matches_reference_at_2k_tokens(smollm2, needle_prompt, method)
     recorder = ForwardRecorder(model, cache)
     out = model.generate(
         prompt,
-        past_key_values=cache,
+        **{cache_kwarg(model): cache},
         max_new_tokens=4,
         do_sample=False,
         output_logits=True,
@@ -50,7 +51,7 @@ def test_full_budget_identical_to_dynamic_cache(smollm2, needle_prompt):
     expected = model.generate(prompt, max_new_tokens=12, do_sample=False)
     out = model.generate(
         prompt,
-        past_key_values=KVPCache(model, method="knorm", budget=1.0),
+        **{cache_kwarg(model): KVPCache(model, method="knorm", budget=1.0)},
         max_new_tokens=12,
         do_sample=False,
     )
