@@ -91,6 +91,29 @@ def teacher_forced_logprobs(model, prompt: torch.Tensor, continuation: torch.Ten
     return torch.stack(scores)
 
 
+@torch.no_grad()
+def check_beams_against_teacher_forcing(model, prompt: torch.Tensor, new_cache, max_new_tokens: int) -> None:
+    """Beam search with 3 beams returned: each beam's transition scores equal its log-probabilities
+    teacher-forced one token at a time through a fresh cache from ``new_cache()``."""
+    out = model.generate(
+        prompt,
+        **{cache_kwarg(model): new_cache()},
+        num_beams=3,
+        num_return_sequences=3,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    assert out.sequences.shape == (3, prompt.shape[1] + max_new_tokens)
+    transition = model.compute_transition_scores(
+        out.sequences, out.scores, out.beam_indices, normalize_logits=False
+    )
+    for row in range(3):
+        scores = teacher_forced_logprobs(model, prompt, out.sequences[row, prompt.shape[1] :], new_cache())
+        torch.testing.assert_close(scores, transition[row].float(), atol=1e-3, rtol=1e-3)
+
+
 _CONTEXT: dict = {}
 
 

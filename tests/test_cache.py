@@ -10,11 +10,11 @@ from conftest import TINY_CONFIGS, tiny_model
 from reference import (
     ATOL,
     ForwardRecorder,
+    check_beams_against_teacher_forcing,
     check_generate_against_reference,
     greedy,
     ids,
     reference_logits,
-    teacher_forced_logprobs,
 )
 from transformers import DynamicCache
 
@@ -136,31 +136,9 @@ def test_row_shorter_than_budget_keeps_all_its_tokens():
 @pytest.mark.parametrize("method", ["knorm", "tova"])
 def test_beam_search_and_return_sequences(method):
     model = tiny_model("llama")
-    prompt = ids(length=40)
-    cache = make_cache(model, method, budget=16)
-    out = model.generate(
-        prompt,
-        **{cache_kwarg(model): cache},
-        num_beams=3,
-        num_return_sequences=3,
-        max_new_tokens=5,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
+    check_beams_against_teacher_forcing(
+        model, ids(length=40), lambda: make_cache(model, method, budget=16), 5
     )
-    assert out.sequences.shape == (3, 45)
-    transition = model.compute_transition_scores(
-        out.sequences, out.scores, out.beam_indices, normalize_logits=False
-    )
-    for row in range(3):  # each returned beam scores the same when teacher-forced through a fresh cache
-        forced = make_cache(model, method, budget=16)
-        logits = model(
-            out.sequences[row : row + 1, :-1], **{cache_kwarg(model): forced}
-        ).logits  # prompt + 4 in one go
-        del logits
-        forced = make_cache(model, method, budget=16)
-        scores = teacher_forced_logprobs(model, prompt, out.sequences[row, 40:], forced)
-        torch.testing.assert_close(scores, transition[row].float(), atol=1e-3, rtol=1e-3)
 
 
 def test_full_budget_is_token_identical_to_dynamic_cache_for_every_method():

@@ -10,11 +10,11 @@ from conftest import TINY_CONFIGS, tiny_model
 from reference import (
     ATOL,
     ForwardRecorder,
+    check_beams_against_teacher_forcing,
     check_generate_against_reference,
     greedy,
     ids,
     reference_logits,
-    teacher_forced_logprobs,
 )
 from transformers import DynamicCache
 
@@ -238,25 +238,10 @@ def test_capped_left_padded_batch_rows_match_alone(method):
 @pytest.mark.parametrize("method", ["knorm", "tova", "kvp"])
 def test_capped_beam_search_scores_equal_teacher_forcing(method):
     model = tiny_model("llama")
-    prompt = ids(length=30)
     options = dict(budget=16, max_cache_tokens=12, evict_every=2)
-    out = model.generate(
-        prompt,
-        **{cache_kwarg(model): make_cache(model, method, **options)},
-        num_beams=3,
-        num_return_sequences=3,
-        max_new_tokens=8,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
+    check_beams_against_teacher_forcing(
+        model, ids(length=30), lambda: make_cache(model, method, **options), 8
     )
-    transition = model.compute_transition_scores(
-        out.sequences, out.scores, out.beam_indices, normalize_logits=False
-    )
-    for row in range(3):
-        forced = make_cache(model, method, **options)
-        scores = teacher_forced_logprobs(model, prompt, out.sequences[row, 30:], forced)
-        torch.testing.assert_close(scores, transition[row].float(), atol=1e-3, rtol=1e-3)
 
 
 @torch.no_grad()
