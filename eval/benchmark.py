@@ -15,7 +15,9 @@ benchmarked; the rest are listed as excluded with their full-cache scores.
 Every sample is prefilled ONCE; every (method, budget) is compressed from that prefill
 (``KVPCache.from_prefill``) and all methods of one budget decode together as one batch. Each
 finished sample is appended to a per-cell JSONL shard under ``<out>/shards``, so an interrupted run
-resumes where it stopped; ``benchmark.json`` holds one flat row per cell, built from the shards
+resumes where it stopped. A record holds one answer per (method, budget) and names the policy of its
+learned answers, so a new method, budget or policy tops records up (:meth:`Benchmark.run`) instead
+of recomputing them; ``benchmark.json`` holds one flat row per cell, built from the shards
 (:func:`collect_rows`), under the provenance of the run.
 """
 
@@ -36,7 +38,7 @@ from eval import realtext
 from eval.corpora import CORPORA, corpus
 from eval.oracle import ORACLE, oracle_scorer
 from eval.stats import bootstrap_interval, wilson_interval
-from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, answers_from_prefill, check_methods, encode_prompt
+from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encode_prompt
 from kvp_cache import ruler
 from kvp_cache.budget import Budget, validate_budget
 from kvp_cache.prefill import prefill
@@ -122,12 +124,17 @@ class BenchmarkConfig:
         """Every row of a cell: the full cache, then each (method, budget)."""
         return [(FULL, None)] + [(m, b) for m in self.row_methods() for b in self.budgets]
 
-    def fingerprint(self, policy_sha256: str | None) -> str:
-        """What a shard record depends on; records of another fingerprint are recomputed."""
+    def fingerprint(self, policy_sha256: str | None) -> Fingerprint:
+        """What the shard records of a run with the policy of ``policy_sha256`` must match.
+
+        The hash covers what EVERY answer of a record depends on: the samples (seed, essays, the
+        room left for the template, the continuation length) and the cache geometry (sink and
+        window). Methods, budgets and the policy stay out of it: a record names each answer by
+        method and budget (:func:`method_key`), one method's answers never depend on the others',
+        and the record names the policy of its learned answers, so another method list, budget list
+        or policy tops records up instead of discarding them.
+        """
         keys = {
-            "methods": self.row_methods(),
-            "budgets": self.budgets,
-            "policy": policy_sha256,
             "seed": self.seed,
             "essays_dir": Path(self.essays_dir).name if self.essays_dir else None,
             "sink": self.sink_tokens,
@@ -135,7 +142,30 @@ class BenchmarkConfig:
             "continuation": self.continuation_tokens,
             "template_tokens": TEMPLATE_TOKENS,
         }
-        return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+        legacy = {"methods": self.row_methods(), "budgets": self.budgets, "policy": policy_sha256, **keys}
+        return Fingerprint(digest(keys), policy_sha256, digest(legacy))
+
+
+def digest(keys: dict) -> str:
+    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Which shard records a run reads.
+
+    config: the hash of what every answer depends on (:meth:`BenchmarkConfig.fingerprint`), stored
+        in each record; records of another one are never read.
+    policy: sha256 of the policy's ``model.safetensors`` (None without a policy); learned answers
+        of a record naming another policy are recomputed.
+    legacy: the fingerprint records had when it also hashed the method list, budgets and policy.
+        Records carrying it were made with this configuration and policy: they are read as
+        complete records of ``policy`` (and rewritten in today's format by the next run).
+    """
+
+    config: str
+    policy: str | None
+    legacy: str
 
 
 def method_key(method: str, budget: Budget | None) -> str:
@@ -143,14 +173,63 @@ def method_key(method: str, budget: Budget | None) -> str:
     return FULL if budget is None else f"{method}@{budget}"
 
 
-class Shard:
-    """One cell's finished samples, one JSON line each (append-only; a torn last line is ignored)."""
+def is_learned(key: str) -> bool:
+    """Whether the answer named ``key`` (:func:`method_key`) comes from a learned policy."""
+    return key.split("@")[0] in methods(learned=True)
 
-    def __init__(self, path: Path, fingerprint: str):
+
+ANSWER_FIELDS = ("predictions", "scores", "nll")
+"""The fields of a record that map :func:`method_key` names to answers (needles: predictions and
+scores; real text: nll)."""
+
+
+def missing_rows(
+    config: BenchmarkConfig, fingerprint: Fingerprint, record: dict | None
+) -> list[tuple[str, Budget | None]]:
+    """The rows of ``config.grid()`` that ``record`` lacks, or holds from another policy (learned rows)."""
+    if record is None:
+        return config.grid()
+    held = {key for name in ANSWER_FIELDS for key in record.get(name, {})}
+    fresh = record.get("policy") == fingerprint.policy
+    return [
+        (method, budget)
+        for method, budget in config.grid()
+        if (key := method_key(method, budget)) not in held or (is_learned(key) and not fresh)
+    ]
+
+
+def topped_up(record: dict | None, new: dict, fingerprint: Fingerprint) -> dict:
+    """``record`` with the answers and fields of ``new`` (computed for some rows) added; times add up.
+
+    When ``new`` holds learned answers, the record's learned answers of another policy are dropped,
+    and the record names ``fingerprint.policy``.
+    """
+    old = dict(record or {})
+    learned = any(is_learned(key) for name in ANSWER_FIELDS for key in new.get(name, {}))
+    stale = learned and old.get("policy") != fingerprint.policy
+    merged = {**old, **new, "policy": fingerprint.policy if learned else old.get("policy")}
+    for name in ANSWER_FIELDS:
+        if name in new:
+            kept = {k: v for k, v in old.get(name, {}).items() if not (stale and is_learned(k))}
+            merged[name] = {**kept, **new[name]}
+    for name in ("seconds", "cpu_seconds"):
+        merged[name] = old.get(name, 0.0) + new[name]
+    return merged
+
+
+class Shard:
+    """One cell's finished samples, one JSON line each (append-only; a torn last line is ignored).
+
+    A sample's later line replaces its earlier ones: a top-up appends the whole merged record.
+    """
+
+    def __init__(self, path: Path, fingerprint: Fingerprint):
         self.path = path
         self.fingerprint = fingerprint
 
     def records(self) -> dict[int, dict]:
+        """The latest record of each sample made under this fingerprint (or its legacy one, then
+        named after the fingerprint's policy)."""
         found: dict[int, dict] = {}
         if not self.path.exists():
             return found
@@ -159,9 +238,18 @@ class Shard:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # an interrupted write
-            if record.get("fingerprint") == self.fingerprint:
+            if record.get("fingerprint") == self.fingerprint.legacy:
+                found[record["index"]] = {**record, "policy": self.fingerprint.policy}
+            elif record.get("fingerprint") == self.fingerprint.config:
                 found[record["index"]] = record
         return found
+
+    def upgrade(self) -> None:
+        """Append, in today's format, every sample whose latest line has the legacy fingerprint, so
+        that its answers stay usable when the method list or the policy changes."""
+        for record in self.records().values():
+            if record["fingerprint"] == self.fingerprint.legacy:
+                self.append(record)
 
     def append(self, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,22 +259,23 @@ class Shard:
         with self.path.open("a", encoding="utf-8") as handle:
             # After an interrupted write, start on a new line so the torn one stays alone.
             handle.write(
-                ("\n" if torn else "") + json.dumps({**record, "fingerprint": self.fingerprint}) + "\n"
+                ("\n" if torn else "") + json.dumps({**record, "fingerprint": self.fingerprint.config}) + "\n"
             )
 
 
 @dataclass
 class Cell:
-    """One (protocol, task or corpus, length) cell: its shard, sample count, finished samples, and
-    ``compute(index)`` -> the record of one sample (without index and timings)."""
+    """One (protocol, task or corpus, length) cell: its shard, sample count, the latest record of
+    each sample, and ``compute(index, rows)`` -> the answers of ``rows`` (``(method, budget)``
+    pairs of the grid) for one sample, with the sample's other fields (without index and timings)."""
 
     shard: Shard
     count: int
-    compute: Callable[[int], dict]
-    done: set[int] = field(init=False)
+    compute: Callable[[int, list[tuple[str, Budget | None]]], dict]
+    records: dict[int, dict] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.done = set(self.shard.records())
+        self.records = self.shard.records()
 
 
 class Benchmark:
@@ -199,7 +288,13 @@ class Benchmark:
         self.out = Path(out)
         self.device = next(model.parameters()).device
         self.decoder = AnswerDecoder(model, tokenizer, config.sink_tokens, config.window_tokens, policy)
-        self.fingerprint = config.fingerprint(getattr(policy, "weights_sha256", None))
+        sha256 = getattr(policy, "weights_sha256", None)
+        if policy is not None and sha256 is None:
+            raise ValueError(
+                "policy has no weights_sha256, which shard records name it by: pass a policy loaded "
+                "from a safetensors file (kvp_cache.policy.load_policy after save_pretrained)"
+            )
+        self.fingerprint = config.fingerprint(sha256)
         self.haystack = ruler.load_haystack(config.essays_dir)
 
     def shard(self, *parts: object) -> Shard:
@@ -207,7 +302,12 @@ class Benchmark:
 
     def run(self) -> None:
         """Screen the screened tasks, then every cell's samples round-robin (sample 0 of every cell,
-        then sample 1, ...), so an unfinished run has every cell equally far; done samples are skipped."""
+        then sample 1, ...), so an unfinished run has every cell equally far.
+
+        A sample whose record holds every row is skipped; one whose record lacks rows (a method or
+        budget added since) or holds learned rows of another policy is topped up: one prefill, only
+        the missing rows computed, the merged record appended.
+        """
         cells = []
         for context in self.config.contexts:
             tasks = self.config.tasks + [
@@ -220,17 +320,22 @@ class Benchmark:
             ]
         for context in self.config.text_contexts:
             cells += [self.text_cell(name, context) for name in self.config.corpora]
+        for cell in cells:
+            cell.shard.upgrade()
         work = [
-            (cell, index)
+            (cell, index, rows)
             for index in range(max((cell.count for cell in cells), default=0))
             for cell in cells
-            if index < cell.count and index not in cell.done
+            if index < cell.count
+            and (rows := missing_rows(self.config, self.fingerprint, cell.records.get(index)))
         ]
-        for cell, index in tqdm(work, desc="benchmark", unit="sample"):
+        top_ups = sum(index in cell.records for cell, index, _ in work)
+        for cell, index, rows in tqdm(work, desc=f"benchmark ({top_ups} top-ups)", unit="sample"):
             start, cpu_start = time.perf_counter(), time.process_time()
-            record = cell.compute(index)
-            record.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start)
-            cell.shard.append({"index": index, **record})
+            new = cell.compute(index, rows)
+            new.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start)
+            cell.records[index] = topped_up(cell.records.get(index), new, self.fingerprint)
+            cell.shard.append({"index": index, **cell.records[index]})
 
     def samples(self, task: str, context: int, count: int) -> list[ruler.Sample]:
         """``count`` test-split samples whose chat prompt plus answer fit in ``context`` tokens (8K is
@@ -243,6 +348,7 @@ class Benchmark:
     def passes_screen(self, task: str, context: int) -> bool:
         """Full-cache accuracy of ``task`` at ``context`` (question inside) reaches ``min_full_score``."""
         shard = self.shard("screen", task, context)
+        shard.upgrade()
         done = shard.records()
         samples = self.samples(task, context, self.config.screen_samples)
         for index, sample in enumerate(tqdm(samples, desc=f"screen {task} {context}", unit="sample")):
@@ -260,16 +366,21 @@ class Benchmark:
     def needle_cell(self, protocol: str, task: str, context: int) -> Cell:
         samples = self.samples(task, context, self.config.samples[context])
 
-        def compute(index: int) -> dict:
+        @torch.no_grad()
+        def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
             sample = samples[index]
             prompt = encode_prompt(sample, self.tokenizer, protocol == "question_after", self.device)
-            with torch.no_grad():
-                prefilled = prefill(self.model, prompt.prefix)
-            methods = self.scorers(prefilled, ids(prompt.suffix) + gold_answer_ids(sample, self.tokenizer))
-            answers = answers_from_prefill(
-                self.decoder, prefilled, prompt, methods, self.config.budgets, MAX_NEW_TOKENS[task]
+            prefilled = prefill(self.model, prompt.prefix)
+            tokens = MAX_NEW_TOKENS[task]
+            predictions = self.answers(
+                prefilled,
+                rows,
+                ids(prompt.suffix) + gold_answer_ids(sample, self.tokenizer),
+                full=lambda: self.decoder.full_answer(prefilled, prompt, tokens),
+                batch=lambda scorers, budget: self.decoder.budget_answers(
+                    prefilled, prompt, scorers, budget, tokens
+                ),
             )
-            predictions = {method_key(method, budget): text for (method, budget), text in answers.items()}
             return {
                 "prompt_tokens": prompt.full.shape[1],
                 "answers": sample.answers,
@@ -285,31 +396,57 @@ class Benchmark:
         windows = realtext.windows(stream, context + self.config.continuation_tokens, count)
 
         @torch.no_grad()
-        def compute(index: int) -> dict:
+        def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
             window = windows[index].to(self.device)
             prefix, continuation = window[:, :context], window[:, context:]
             prefilled = prefill(self.model, prefix)
-            methods = self.scorers(prefilled, ids(continuation))
-            full = realtext.continuation_nll(
-                self.model, prefilled, copy.deepcopy(prefilled.cache), continuation
-            )
-            nll = {FULL: full.item()}
-            for budget in self.config.budgets:
-                cache = self.decoder.compressed(prefilled, methods, budget)
-                values = realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()
-                nll.update(
-                    {method_key(n, budget): v for n, v in zip(self.config.row_methods(), values, strict=True)}
+
+            def nll(cache) -> list[float]:
+                return realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()
+
+            return {
+                "nll": self.answers(
+                    prefilled,
+                    rows,
+                    ids(continuation),
+                    full=lambda: nll(copy.deepcopy(prefilled.cache))[0],
+                    batch=lambda scorers, budget: nll(self.decoder.compressed(prefilled, scorers, budget)),
                 )
-            return {"nll": nll}
+            }
 
         return Cell(self.shard(PERPLEXITY, name, context), count, compute)
 
-    def scorers(self, prefilled, future_ids: list[int]) -> list[Scorer]:
-        """One sample's scorers: each method's, scoring each layer once for all budgets, then the oracle."""
-        scorers = [scored_once(make_scorer(m, **self.method_options(m))) for m in self.config.methods]
-        if self.config.oracle:
-            scorers.append(oracle_scorer(self.model, prefilled, future_ids))
-        return scorers
+    def answers(
+        self,
+        prefilled,
+        rows: list[tuple[str, Budget | None]],
+        future_ids: list[int],
+        full: Callable[[], object],
+        batch: Callable[[list[Scorer], Budget], list],
+    ) -> dict[str, object]:
+        """``{method_key: answer}`` of one sample's ``rows``: ``full()`` if the full cache is among
+        them, then for each budget ``batch(scorers, budget)`` over the methods that budget needs
+        (one answer per scorer). Only those methods' scorers are built (the oracle runs its
+        ``future_ids`` only when it is needed); each scores the prefill once for all budgets."""
+        names = [m for m in self.config.row_methods() if any(m == method for method, _ in rows)]
+        scorers = dict(zip(names, self.scorers(prefilled, future_ids, names), strict=True))
+        answers = {FULL: full()} if (FULL, None) in rows else {}
+        for budget in self.config.budgets:
+            needed = [m for m in names if (m, budget) in rows]
+            if needed:
+                values = batch([scorers[m] for m in needed], budget)
+                answers.update({method_key(m, budget): v for m, v in zip(needed, values, strict=True)})
+        return answers
+
+    def scorers(self, prefilled, future_ids: list[int], names: list[str]) -> list[Scorer]:
+        """One sample's scorers of ``names`` (registry methods and the oracle), each scoring each
+        layer once for all budgets."""
+        return [
+            oracle_scorer(self.model, prefilled, future_ids)
+            if name == ORACLE
+            else scored_once(make_scorer(name, **self.method_options(name)))
+            for name in names
+        ]
 
     def method_options(self, method: str) -> dict:
         return {"policy": self.decoder.policy} if method in methods(learned=True) else {}
@@ -402,8 +539,11 @@ def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
                 yield protocol, task, context
 
 
-def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
-    """``rows`` of every cell with all its samples done, plus ``pending`` cells and ``excluded`` tasks."""
+def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -> dict:
+    """``rows`` of every cell with all its samples done, plus ``pending`` cells and ``excluded`` tasks.
+
+    A sample is done when its latest record holds every row of ``config.grid()``, learned rows from
+    ``fingerprint.policy``."""
     shards = Path(out) / "shards"
 
     def records(*parts) -> dict[int, dict]:
@@ -413,7 +553,9 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
 
     def finished(cell: dict, found: dict[int, dict], wanted: int) -> list[dict] | None:
         """The cell's records in index order when all ``wanted`` are done; else None, noted as pending."""
-        done = [found[i] for i in range(wanted) if i in found]
+        done = [
+            found[i] for i in range(wanted) if i in found and not missing_rows(config, fingerprint, found[i])
+        ]
         if len(done) < wanted:
             pending.append({**cell, "done": len(done), "n": wanted})
             return None
@@ -458,8 +600,8 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: str) -> dict:
             rows += text_rows(config, name, context, done)
             pooled_scores.setdefault((PERPLEXITY, context), []).extend(done)
             seconds[f"{PERPLEXITY}/{name}/{context}"] = cost(done)
-        finished = not any(p["protocol"] == PERPLEXITY and p["context_tokens"] == context for p in pending)
-        if finished and pooled_scores.get((PERPLEXITY, context)):
+        length_done = not any(p["protocol"] == PERPLEXITY and p["context_tokens"] == context for p in pending)
+        if length_done and pooled_scores.get((PERPLEXITY, context)):
             rows += text_rows(config, ALL, context, pooled_scores[(PERPLEXITY, context)])
     return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
 
@@ -474,7 +616,7 @@ def cost(records: list[dict]) -> dict:
     }
 
 
-def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: str, provenance: dict) -> dict:
+def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint, provenance: dict) -> dict:
     """The contents of ``benchmark.json``: provenance first, then config, corpora, rows."""
     collected = collect_rows(config, out, fingerprint)
     return {
@@ -484,6 +626,6 @@ def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: str, prove
             name: {"kind": corpus(name).kind, "requirement": corpus(name).requirement}
             for name in config.corpora
         },
-        "fingerprint": fingerprint,
+        "fingerprint": fingerprint.config,
         **collected,
     }

@@ -5,14 +5,17 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_model
+from test_policy import tiny_policy
 from test_sweep import PROVENANCE_FIELDS, tiny_with_chat_tokenizer
 
+import eval.benchmark as benchmark
 from eval import realtext
 from eval.__main__ import main
 from eval.benchmark import ALL, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
@@ -23,6 +26,7 @@ from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
+from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
 
@@ -64,14 +68,52 @@ def small_config(**overrides) -> BenchmarkConfig:
     return BenchmarkConfig(**{**options, **overrides})
 
 
-def run(model, tokenizer, config, out: Path) -> dict:
-    bench = Benchmark(model, tokenizer, config, out)
+def run(model, tokenizer, config, out: Path, policy=None) -> dict:
+    bench = Benchmark(model, tokenizer, config, out, policy)
     bench.run()
     return benchmark_result(config, out, bench.fingerprint, provenance("tiny", torch.float32, "cpu"))
 
 
 def shard_lines(out: Path) -> dict[str, int]:
     return {str(p.relative_to(out)): len(p.read_text().splitlines()) for p in sorted(out.rglob("*.jsonl"))}
+
+
+def latest_records(out: Path) -> dict[tuple[str, int], dict]:
+    """The last line of every sample of every shard under ``out``, as parsed JSON."""
+    found = {}
+    for shard in sorted((out / "shards").rglob("*.jsonl")):
+        for record in map(json.loads, shard.read_text().splitlines()):
+            found[str(shard.relative_to(out)), record["index"]] = record
+    return found
+
+
+@pytest.fixture
+def work(monkeypatch) -> Counter:
+    """Counts what the benchmark computes: prefills, scorers built (by method), oracles, full-cache
+    needle answers and real-text NLL forwards."""
+    counts = Counter()
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            counts[name(*args, **kwargs) if callable(name) else name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(benchmark, "prefill", counted("prefill", benchmark.prefill))
+    monkeypatch.setattr(benchmark, "make_scorer", counted(lambda method, **_: method, benchmark.make_scorer))
+    monkeypatch.setattr(benchmark, "oracle_scorer", counted(ORACLE, benchmark.oracle_scorer))
+    monkeypatch.setattr(
+        benchmark.AnswerDecoder, "full_answer", counted("full_answer", benchmark.AnswerDecoder.full_answer)
+    )
+    monkeypatch.setattr(realtext, "continuation_nll", counted("continuation_nll", realtext.continuation_nll))
+    return counts
+
+
+def saved_policy(model, seed: int, directory: Path):
+    """A tiny random policy, saved and loaded back (so it has its ``weights_sha256``)."""
+    tiny_policy(model, seed=seed).save_pretrained(directory)
+    return load_policy(directory)
 
 
 def test_rows_schema_and_statistics(tiny, tmp_path, fake_corpora):
@@ -145,9 +187,141 @@ def test_resumes_where_it_stopped(tiny, tmp_path, fake_corpora):
         partial["pending"]
     )
     assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"]
-    # Another configuration does not reuse the shards' records.
-    other = small_config(screened_tasks=[], protocols=["question_in"], budgets=[0.5])
-    assert len(benchmark_result(other, tmp_path, other.fingerprint(None), {})["pending"]) == 4
+    # Fewer budgets read the same records; other samples or another cache geometry never do.
+    fewer = small_config(screened_tasks=[], protocols=["question_in"], budgets=[0.5])
+    subset = benchmark_result(fewer, tmp_path, fewer.fingerprint(None), {})
+    assert subset["pending"] == [] and subset["rows"] == [
+        r for r in first["rows"] if r["budget"] in (None, 0.5)
+    ]
+    for other in (small_config(screened_tasks=[], protocols=["question_in"], seed=1),
+                  small_config(screened_tasks=[], protocols=["question_in"], sink_tokens=2)):  # fmt: skip
+        pending = benchmark_result(other, tmp_path, other.fingerprint(None), {})["pending"]
+        assert [p["done"] for p in pending] == [0, 0, 0, 0]
+
+
+def test_adding_a_method_computes_only_that_method(tiny, tmp_path, fake_corpora, work):
+    model, tokenizer = tiny
+    options = dict(screened_tasks=[], protocols=["question_after"], corpora=["kjv"], samples={256: 2},
+                   text_windows={96: 2})  # fmt: skip
+    run(model, tokenizer, small_config(methods=["knorm"], **options), tmp_path)
+    before, lines = latest_records(tmp_path), shard_lines(tmp_path)
+    assert work["knorm"] == 6 and work[ORACLE] == 6 and work["full_answer"] == 4
+    work.clear()
+    config = small_config(methods=["knorm", "tova"], **options)
+    result = run(model, tokenizer, config, tmp_path)
+    # One prefill per sample, tova's scorer only; no full cache, no oracle; one NLL forward per budget.
+    assert work == Counter({"prefill": 6, "tova": 6, "continuation_nll": 2 * len(config.budgets)})
+    after = latest_records(tmp_path)
+    added = {method_key("tova", b) for b in config.budgets}
+    for key, record in after.items():
+        old = before[key]
+        for name in ("predictions", "scores", "nll"):
+            if name in old:
+                assert set(record[name]) == set(old[name]) | added
+                assert {k: record[name][k] for k in old[name]} == old[name]  # byte-identical after JSON
+        assert record["seconds"] > old["seconds"] and record["policy"] is None
+    assert shard_lines(tmp_path) == {path: n + 2 for path, n in lines.items()}  # the merged records, appended
+    # The topped-up rows are a from-scratch run's.
+    work.clear()
+    assert result["pending"] == [] and run(model, tokenizer, config, tmp_path)["rows"] == result["rows"]
+    assert not work
+    assert run(model, tokenizer, config, tmp_path / "scratch")["rows"] == result["rows"]
+
+
+def test_another_policy_recomputes_only_the_learned_rows(tiny, tmp_path, fake_corpora, work):
+    model, tokenizer = tiny
+    first, second = saved_policy(model, 1, tmp_path / "a"), saved_policy(model, 2, tmp_path / "b")
+    assert first.weights_sha256 != second.weights_sha256
+    options = dict(screened_tasks=[], protocols=["question_in"], corpora=["chitchat"], samples={256: 2},
+                   text_windows={96: 2})  # fmt: skip
+    config = small_config(methods=["knorm", "kvp"], policy="tiny", **options)
+    out = tmp_path / "out"
+    run(model, tokenizer, config, out, first)
+    before = latest_records(out)
+    assert {r["policy"] for r in before.values()} == {first.weights_sha256}
+    # Records of the first policy are not complete for the second.
+    pending = benchmark_result(config, out, config.fingerprint(second.weights_sha256), {})["pending"]
+    assert [p["done"] for p in pending] == [0, 0, 0]
+    work.clear()
+    result = run(model, tokenizer, config, out, second)
+    assert work == Counter({"prefill": 6, "kvp": 6, "continuation_nll": 2 * len(config.budgets)})
+    for key, record in latest_records(out).items():
+        assert record["policy"] == second.weights_sha256
+        for name in ("predictions", "scores", "nll"):
+            if name in record:
+                assert set(record[name]) == set(before[key][name])
+                unchanged = {k: v for k, v in record[name].items() if not k.startswith("kvp@")}
+                assert unchanged == {k: v for k, v in before[key][name].items() if not k.startswith("kvp@")}
+    # The text NLLs show the learned rows really were recomputed with the second policy.
+    assert any(
+        record["nll"][k] != before[key]["nll"][k]
+        for key, record in latest_records(out).items()
+        if "nll" in record
+        for k in record["nll"]
+        if k.startswith("kvp@")
+    )
+    assert run(model, tokenizer, config, tmp_path / "scratch", second)["rows"] == result["rows"]
+    # A method list without learned methods reads the records whatever policy they name.
+    work.clear()
+    rows = run(model, tokenizer, small_config(methods=["knorm"], **options), out)["rows"]
+    assert not work and rows == [r for r in result["rows"] if r["method"] != "kvp"]
+    # Back to the first policy at one budget: the second policy's learned answers at the other go too,
+    # as the record names one policy.
+    run(
+        model,
+        tokenizer,
+        small_config(methods=["knorm", "kvp"], policy="tiny", budgets=[0.5], **options),
+        out,
+        first,
+    )
+    assert work == Counter({"prefill": 6, "kvp": 6, "continuation_nll": 2})
+    for record in latest_records(out).values():
+        learned = {
+            k
+            for name in ("predictions", "scores", "nll")
+            for k in record.get(name, {})
+            if k.startswith("kvp@")
+        }
+        assert learned == {"kvp@0.5"} and record["policy"] == first.weights_sha256
+    with pytest.raises(ValueError, match="weights_sha256"):
+        Benchmark(model, tokenizer, config, out, tiny_policy(model))
+
+
+def test_records_of_the_former_format_stay_usable(tiny, tmp_path, fake_corpora, work):
+    """Records fingerprinted the former way (methods, budgets and policy hashed in, no policy field)
+    are complete for that configuration and policy, and keep their other rows under another policy."""
+    model, tokenizer = tiny
+    first, second = saved_policy(model, 1, tmp_path / "a"), saved_policy(model, 2, tmp_path / "b")
+    config = small_config(methods=["knorm", "kvp"], policy="tiny", protocols=["question_in"], corpora=["kjv"],
+                          samples={256: 2}, text_windows={96: 2})  # fmt: skip
+    out = tmp_path / "out"
+    expected = run(model, tokenizer, config, out, first)
+    legacy = config.fingerprint(first.weights_sha256).legacy
+    for shard in (out / "shards").rglob("*.jsonl"):
+        records = [json.loads(line) for line in shard.read_text().splitlines()]
+        shard.write_text("".join(json.dumps({**{k: v for k, v in r.items() if k != "policy"},
+                                             "fingerprint": legacy}) + "\n" for r in records))  # fmt: skip
+    former = {shard: shard.read_text() for shard in (out / "shards").rglob("*.jsonl")}
+    # Read as they are (as --no-run does), then resumed: nothing to compute, same rows.
+    assert (
+        benchmark_result(config, out, config.fingerprint(first.weights_sha256), {})["rows"]
+        == expected["rows"]
+    )
+    work.clear()
+    assert run(model, tokenizer, config, out, first)["rows"] == expected["rows"]
+    assert not work
+    # The run appended each record in the current format, after the former lines.
+    for shard, text in former.items():
+        assert shard.read_text().startswith(text) and len(shard.read_text().splitlines()) == 2 * len(
+            text.splitlines()
+        )
+    # So another policy recomputes only the learned rows; the screen keeps its records.
+    result = run(model, tokenizer, config, out, second)
+    assert work == Counter({"prefill": 6, "kvp": 6, "continuation_nll": 2 * len(config.budgets)})
+    assert result["excluded"] == expected["excluded"]
+    assert [r for r in result["rows"] if r["method"] != "kvp"] == [
+        r for r in expected["rows"] if r["method"] != "kvp"
+    ]
 
 
 def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corpora):
