@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from kvp_cache.budget import parse_budget
+from kvp_cache.cli import add_protected_tokens_arguments
 from kvp_cache.models import load_model
 from kvp_cache.provenance import provenance
 
@@ -24,6 +26,19 @@ def parse_methods(text: str, policy: str | None) -> list[str]:
     return [m.strip() for m in text.split(",") if m.strip()]
 
 
+def config_from_args(config_class, args: argparse.Namespace, **derived):
+    """``config_class`` (a dataclass) from the options named like its fields, then ``derived`` values.
+
+    Options left at None keep the field's default.
+    """
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(config_class)
+        if getattr(args, f.name, None) is not None
+    }
+    return config_class(**{**given, **derived})
+
+
 def comma_list(convert):
     return lambda text: [convert(item.strip()) for item in text.split(",") if item.strip()]
 
@@ -38,8 +53,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
         "--policy", default=None, help="KVP policy for method 'kvp' (shipped name, directory, Hub id)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sink-tokens", type=int, default=4)
-    parser.add_argument("--window-tokens", type=int, default=16)
+    add_protected_tokens_arguments(parser)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (1 is fastest on a busy machine)"
     )
@@ -152,22 +166,12 @@ def load_policy_if(name: str | None):
 def run_sweep_command(args, model, tokenizer, policy) -> None:
     from eval.sweep import SweepConfig, markdown_report, run_sweep, write_outputs
 
-    config = SweepConfig(
+    config = config_from_args(
+        SweepConfig,
+        args,
         methods=parse_methods(args.methods, args.policy),
-        budgets=args.budgets,
         tasks=[t.strip() for t in args.task.split(",") if t.strip()],
-        context_tokens=args.context_tokens,
-        samples=args.samples,
-        question_after=args.question_after,
         question_whole=not args.question_token_by_token,
-        policy=args.policy,
-        essays_dir=args.essays_dir,
-        seed=args.seed,
-        split=args.split,
-        sink_tokens=args.sink_tokens,
-        window_tokens=args.window_tokens,
-        max_new_tokens=args.max_new_tokens,
-        separate_samples=args.separate_samples,
         separate_runs=args.separate_runs or None,
     )
     header = provenance(args.model, next(model.parameters()).dtype, args.device, policy=policy)
@@ -181,29 +185,15 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
     from eval.benchmark import Benchmark, BenchmarkConfig, benchmark_result
     from eval.report import DOCS, README, write_report
 
-    options = {
-        "tasks": args.tasks,
-        "screened_tasks": args.screened_tasks,
-        "corpora": args.corpora,
-    }
-    config = BenchmarkConfig(
+    config = config_from_args(
+        BenchmarkConfig,
+        args,
         methods=parse_methods(args.methods, args.policy),
         policy=args.policy or None,
-        budgets=args.budgets,
-        protocols=args.protocols,
-        min_full_score=args.min_full_score,
-        screen_samples=args.screen_samples,
-        contexts=args.contexts,
         samples=default_counts(args.contexts, args.samples),
-        text_contexts=args.text_contexts,
         text_windows=default_counts(args.text_contexts, args.text_windows),
-        continuation_tokens=args.continuation_tokens,
         oracle=not args.no_oracle,
         essays_dir=args.essays_dir or None,
-        seed=args.seed,
-        sink_tokens=args.sink_tokens,
-        window_tokens=args.window_tokens,
-        **{name: value for name, value in options.items() if value is not None},
     )
     out = args.out or RESULTS / Path(args.model).name
     benchmark = Benchmark(model, tokenizer, config, out, policy)

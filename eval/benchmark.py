@@ -483,52 +483,52 @@ def ids(tokens: torch.Tensor) -> list[int]:
     return tokens[0].tolist()
 
 
+def cell_row(where: dict, method: str, budget: float, metric: str, values: list[float], interval) -> dict:
+    """One flat row: ``where`` (protocol, task or corpus, context) then the mean of ``values`` and its CI."""
+    return {
+        **where,
+        "method": method,
+        "budget": budget,
+        "n": len(values),
+        "metric": metric,
+        "score": sum(values) / len(values),
+        "ci95": list(interval(values)),
+    }
+
+
 def needle_rows(
     config: BenchmarkConfig, protocol: str, task: str, context: int, records: list[dict]
 ) -> list[dict]:
     """Rows of one needle cell: the full cache, then every method x budget (accuracy, Wilson CI)."""
-    rows = []
-    for method, budget in config.grid():
-        scores = [r["scores"][method_key(method, budget)] for r in records]
-        rows.append(
-            {
-                "protocol": protocol,
-                "task": task,
-                "context_tokens": context,
-                "method": method,
-                "budget": budget,
-                "n": len(scores),
-                "metric": "accuracy",
-                "score": sum(scores) / len(scores),
-                "ci95": list(wilson_interval(scores)),
-            }
+    where = {"protocol": protocol, "task": task, "context_tokens": context}
+    return [
+        cell_row(
+            where,
+            method,
+            budget,
+            "accuracy",
+            [r["scores"][method_key(method, budget)] for r in records],
+            wilson_interval,
         )
-    return rows
+        for method, budget in config.grid()
+    ]
 
 
 def text_rows(config: BenchmarkConfig, name: str, context: int, records: list[dict]) -> list[dict]:
     """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs)."""
+    where = {
+        "protocol": PERPLEXITY,
+        "corpus": name,
+        "kind": corpus(name).kind if name != ALL else ALL,
+        "context_tokens": context,
+    }
     full = [r["nll"][FULL] for r in records]
     rows = []
     for method, budget in config.grid():
         nll = [r["nll"][method_key(method, budget)] for r in records]
         increase = [a - b for a, b in zip(nll, full, strict=True)]
-        rows.append(
-            {
-                "protocol": PERPLEXITY,
-                "corpus": name,
-                "kind": corpus(name).kind if name != ALL else ALL,
-                "context_tokens": context,
-                "method": method,
-                "budget": budget,
-                "n": len(nll),
-                "metric": "nll_increase",
-                "score": sum(increase) / len(increase),
-                "ci95": list(bootstrap_interval(increase)),
-                "nll": sum(nll) / len(nll),
-                "nll_ci95": list(bootstrap_interval(nll)),
-            }
-        )
+        row = cell_row(where, method, budget, "nll_increase", increase, bootstrap_interval)
+        rows.append({**row, "nll": sum(nll) / len(nll), "nll_ci95": list(bootstrap_interval(nll))})
     return rows
 
 

@@ -176,6 +176,7 @@ def stack_caches(caches: list[KVPCache]) -> KVPCache:
     return stacked
 
 
+@dataclass
 class AnswerDecoder:
     """Greedy answers of one model under a protocol, from a shared prefill or from scratch.
 
@@ -184,22 +185,15 @@ class AnswerDecoder:
     ``method`` is a registry name or a ready :class:`~kvp_cache.scorers.Scorer` (the oracle).
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer,
-        sink_tokens: int,
-        window_tokens: int,
-        policy=None,
-        question_whole: bool = True,
-    ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.sink_tokens = sink_tokens
-        self.window_tokens = window_tokens
-        self.policy = policy
-        self.question_whole = question_whole
-        self.pad = {"pad_token_id": tokenizer.pad_token_id or tokenizer.eos_token_id}
+    model: PreTrainedModel
+    tokenizer: object
+    sink_tokens: int
+    window_tokens: int
+    policy: object = None
+    question_whole: bool = True
+
+    def __post_init__(self) -> None:
+        self.pad = {"pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
         self.generate_kwargs = {**self.pad, "do_sample": False}
 
     def cache_options(self, method: str | Scorer, budget: Budget) -> dict:

@@ -27,8 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", choices=sorted(MODELS), default="smollm2", help="offline model to run (default smollm2)"
     )
     demo.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0, 1] or tokens kept")
-    demo.add_argument("--sink-tokens", type=int, default=4, help="first tokens always kept (default 4)")
-    demo.add_argument("--window-tokens", type=int, default=16, help="last tokens always kept (default 16)")
+    add_protected_tokens_arguments(demo)
     demo.add_argument(
         "--context-tokens", type=int, default=2048, help="haystack size in tokens (default 2048)"
     )
@@ -38,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=0, help="which needle sample (default 0)")
     return parser
+
+
+def add_protected_tokens_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--sink-tokens`` and ``--window-tokens``: the entries every method keeps (shared with ``eval``)."""
+    parser.add_argument("--sink-tokens", type=int, default=4, help="first tokens always kept (default 4)")
+    parser.add_argument("--window-tokens", type=int, default=16, help="last tokens always kept (default 16)")
 
 
 def main(argv: list[str] | None = None) -> int:

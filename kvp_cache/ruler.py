@@ -30,6 +30,7 @@ first letters, the ``cwe`` common words and the ``fwe`` answer words' first lett
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
@@ -89,64 +90,9 @@ FWE_ZETA = math.pi**2 / 6  # Riemann zeta(FWE_ALPHA): normalizes the Zipf counts
 DEPTHS = tuple(round(i * 100 / 39) for i in range(40))  # needle depths in percent, as in RULER
 LENGTH_TOLERANCE = 0.02  # the sizing loop stops within 2% of the target
 
-ADJECTIVES = """
-able absent active actual afraid agile alert alive ancient angry annual anxious aquatic arctic
-awake aware basic bitter blank blind bold brave brief bright brisk broad broken bumpy busy calm
-careful casual cheap cheerful chilly civil clean clever cloudy coastal cold common cosmic cozy
-crazy creamy crisp cruel curious cute damp daring dark dear decent deep dense distant dizzy
-dusty eager early easy elastic elegant empty endless equal exact exotic faint fair famous fancy
-fast fearless fierce final firm flat fluffy foggy formal fragile free fresh friendly frozen
-funny fuzzy gentle giant gifted glad global golden graceful grand green grumpy handsome happy
-hardy harsh heavy hidden hollow honest hot huge humble hungry icy ideal idle immense jolly
-juicy keen kind large lazy legal light little lively lonely loose loud lovely loyal lucky lunar
-magic major marine massive mellow merry mighty mild minor misty modern modest moist muddy mute
-narrow nasty native neat nervous noble noisy normal odd orange organic plain polite proud pure
-purple quick quiet rapid rare raw ready real rich rigid ripe rough round royal rural rusty sad
-safe salty scarce secret shaggy sharp shiny short shy silent silky silly simple sleek sleepy
-slim slow small smooth snowy soft solar solid sour spare spicy stable steady steep sticky stormy
-strange strict strong sunny super sweet swift tall tame tender thick thin tidy tiny tough
-tropical true ugly unique upset urban vacant vague valid vast velvet violet vital vivid warm
-wary weak wealthy weary wet whole wicked wide wild windy wise witty wooden young zealous
-""".split()
-
-NOUNS = """
-acorn actor airport album alley anchor angle animal ankle answer apple apron arch arena armor
-arrow artist atlas attic author avenue badge bakery ballet bamboo banana bandit banner barn
-barrel basket battery beach beacon bean bear beard bell bench berry bicycle biscuit blanket
-blossom boat bonnet boot bottle boulder bowl bracelet branch bread bridge brook broom bubble
-bucket buffalo bugle bundle butter button cabin cable cactus camera camel canal candle canoe
-canvas canyon captain carpet carrot castle cellar cereal chair chalk channel chapel cheese cherry
-chess chimney circus citizen clock cloud coffee collar comet compass copper cottage cotton
-council crayon creek cricket crystal cupboard curtain cushion dagger daisy desert diamond
-dinner dolphin donkey dragon drawer drum eagle easel elbow engine falcon feather fence ferry
-fiddle forest fossil fountain fox galaxy garden garlic gate giraffe glacier glove goblet goose
-granite grape guitar hammer harbor harvest helmet hermit hill honey horizon horse hotel island
-ivory jacket jaguar jewel journal jungle kettle kitten ladder lagoon lantern lemon lettuce
-library lighthouse lily lizard locket lobster magnet mango maple marble market meadow melon
-mirror mitten monkey moose mountain muffin museum mushroom needle nest notebook oasis ocean
-office olive onion orchard orchid otter owl paddle palace panda paper parade parrot peach
-pebble pelican pencil pepper piano pickle pigeon pillow pilot pine planet plum pocket pony
-potato prairie puppet pyramid quarry quilt rabbit raccoon radio raft rainbow raisin ribbon
-river robot rocket saddle salmon sandal satchel saucer scarf school scooter shadow shell
-shovel signal silver skate sled sparrow spider spoon squirrel stable stadium statue stove
-straw stream sugar summit sunset swan sweater table tablet teapot temple tent thimble thunder
-ticket tiger timber toaster tomato tower tractor trail trumpet tulip tunnel turtle umbrella
-unicorn valley vase velvet village violin volcano wagon walnut walrus wardrobe whale wheel
-whistle willow window wizard wolf yacht zebra
-""".split()
-
-VERBS = """
-accept admire advise allow amuse announce appear applaud arrange arrive attach balance bake
-bathe beg behave bless blink boast borrow bounce breathe bury calculate carve chase cheer chew
-clap collect compare complain confess crawl cycle dance decorate delay deliver describe dream
-drift educate embrace employ escape explore fetch float flutter fold gather giggle glide
-greet guard hover hunt hurry imagine invent juggle kneel knit laugh launch listen march
-measure melt mumble murmur nod observe obtain offer paint paddle parade perform polish pounce
-pray preserve pretend protect punch rescue ripple roar sail scatter scribble shiver sketch
-skip sneeze sparkle splash sprinkle squeeze stroll surprise swim tickle tiptoe travel tumble
-twinkle wander whisper wiggle wink wobble wonder yawn
-""".split()
-
+# The cwe vocabulary (common English adjectives, nouns and verbs), kept as data beside this module.
+_WORD_LISTS = json.loads(Path(__file__).with_name("ruler_words.json").read_text(encoding="utf-8"))
+ADJECTIVES, NOUNS, VERBS = (_WORD_LISTS[kind] for kind in ("adjectives", "nouns", "verbs"))
 WORDS = tuple(dict.fromkeys(ADJECTIVES + NOUNS + VERBS))  # the cwe vocabulary, deduplicated
 
 
@@ -211,7 +157,7 @@ def make_samples(
         raise ValueError(f"context_tokens must be an int >= 1, got {context_tokens!r}")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
-    sentences = _sentences(NOISE if haystack is None else haystack)
+    sentences = split_sentences(NOISE if haystack is None else haystack)
     if not sentences:
         raise ValueError("haystack is empty; pass None for RULER's noise text")
     if len(sentences) < len(SPLITS):
@@ -302,12 +248,12 @@ def score(sample: Sample, prediction: str) -> float:
 # Builders: each returns one sample sized to the target, from a string seed.
 
 
-def _sentences(text: str) -> list[str]:
+def split_sentences(text: str) -> list[str]:
     """Split on sentence ends, with whitespace collapsed (essays wrap lines mid-sentence)."""
     return [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", text) if s.strip()]
 
 
-def _take(sentences: list[str], start: int, count: int) -> list[str]:
+def take_sentences(sentences: list[str], start: int, count: int) -> list[str]:
     """``count`` sentences from ``start``, wrapping around the haystack."""
     return [sentences[(start + i) % len(sentences)] for i in range(count)]
 
@@ -331,7 +277,7 @@ def _niah(task: str) -> Callable:
         question = NIAH_QUESTION.format(query=query)
 
         def context(count: int) -> str:
-            text = _take(sentences, start, count)
+            text = take_sentences(sentences, start, count)
             # Insert from the deepest so earlier indices stay valid.
             for depth, (key, value) in sorted(zip(depths, needles, strict=True), reverse=True):
                 text.insert(int(count * depth / 100), NEEDLE.format(key=key, value=value))
@@ -358,7 +304,7 @@ def _vt(draw: _Draw, sentences: list[str], tokenizer, target: int) -> Sample:
     question = VT_QUESTION.format(value=value)
 
     def context(count: int) -> str:
-        text = _take(sentences, start, count)
+        text = take_sentences(sentences, start, count)
         # The chain stays in order: statement j goes at depth_j percent of the filler.
         for j in reversed(range(len(chain))):
             text.insert(int(count * depths[j] / 100), chain[j])

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from conftest import TINY_CONFIGS
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytest.importorskip("lm_eval")
 
@@ -34,16 +35,8 @@ def tiny_dir(tmp_path_factory):
     from kvp_cache.models import MODELS
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    )
+    config = TINY_CONFIGS["llama"]()
+    config.vocab_size, config.tie_word_embeddings = 49152, True
     path = tmp_path_factory.mktemp("tiny_llama")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir()).save_pretrained(path)
@@ -110,8 +103,8 @@ def test_loglikelihood_truncation_matches_hf(tiny_dir):
 def test_loglikelihood_compresses_the_context_once(tiny_dir, monkeypatch):
     lm = make_lm(KVPLM, tiny_dir, method="knorm", budget=8, sink_tokens=2, window_tokens=2)
     built = []
-    new_cache = lm._new_cache
-    monkeypatch.setattr(lm, "_new_cache", lambda: built.append(1) or new_cache())
+    new_cache = lm.new_cache
+    monkeypatch.setattr(lm, "new_cache", lambda: built.append(1) or new_cache())
     got = lm.loglikelihood(ll_requests())
     assert len(built) == 1  # four choices, one shared compressed context
     context_ids = lm.tok_encode(CONTEXT)
@@ -228,8 +221,8 @@ def test_max_cache_tokens_bounds_the_answer(tiny_dir, monkeypatch):
     )
     assert lm.get_model_info()["kvp"]["max_cache_tokens"] == 6
     caches = []
-    new_cache = lm._new_cache
-    monkeypatch.setattr(lm, "_new_cache", lambda **kw: caches.append(new_cache(**kw)) or caches[-1])
+    new_cache = lm.new_cache
+    monkeypatch.setattr(lm, "new_cache", lambda **kw: caches.append(new_cache(**kw)) or caches[-1])
     got = lm.generate_until(gen_requests([CONTEXT]))[0]
     assert caches[0].evicting_layers[0].physical_length() <= 6 + 2
     # the same as generate with the same cache built by hand
@@ -251,7 +244,7 @@ def test_split_at_marker():
 def test_model_args(tiny_dir):
     lm = make_lm(KVPLM, tiny_dir, method="snapkv", method_options='{"window_size": 8}', option_kernel_size=3)
     assert lm.kvp_options == {"window_size": 8, "kernel_size": 3}
-    cache = lm._new_cache()
+    cache = lm.new_cache()
     assert (cache.settings.scorer.window_size, cache.settings.scorer.kernel_size) == (8, 3)
     assert lm.get_model_info()["kvp"]["method"] == "snapkv"
     with pytest.raises(ValueError, match="Unknown method"):

@@ -184,7 +184,7 @@ def test_errors(tmp_path, tokenizer):
 
 def window_of(sample: ruler.Sample, sentences: list[str]) -> tuple[str, ...]:
     """The haystack sentences of a sample's context, read from its facts and checked against the text."""
-    window = tuple(ruler._take(sentences, sample.facts["start"], sample.facts["sentences"]))
+    window = tuple(ruler.take_sentences(sentences, sample.facts["start"], sample.facts["sentences"]))
     assert all(sentence in sample.context for sentence in window)
     return window
 
@@ -212,7 +212,7 @@ def ingredients(sample: ruler.Sample, sentences: list[str]) -> dict[str, set]:
 def test_splits_share_no_sample_needle_depth_or_window(tokenizer, essays, task):
     """No evaluation (val/test) sample, needle key or value, depth, haystack window or answer equals a
     training one, with the essays as haystack for every split."""
-    sentences = ruler._sentences(essays)
+    sentences = ruler.split_sentences(essays)
     seen: dict[str, dict[str, set]] = {}
     for split in ruler.SPLITS:
         seen[split] = {}

@@ -125,9 +125,9 @@ class KVPLM(HFLM):
         super().__init__(**kwargs)
         if self.backend != "causal":
             raise ValueError("the kvp model supports decoder-only (causal) models only")
-        self._new_cache()  # the model, sinks/window and budget are checked here, before any request
+        self.new_cache()  # the model, sinks/window and budget are checked here, before any request
 
-    def _new_cache(self, budget: float | int | None = None) -> KVPCache:
+    def new_cache(self, budget: float | int | None = None) -> KVPCache:
         """A fresh cache: the first multi-token forward compresses, later ones append."""
         options = dict(self.kvp_options)
         if self._policy is not None:
@@ -221,7 +221,7 @@ class KVPLM(HFLM):
         pbar = tqdm(total=len(requests), disable=disable_tqdm or self.rank != 0, desc="kvp loglikelihood")
         with torch.no_grad(), self._autocast():
             for compressed, members in order:
-                cache = self._new_cache()
+                cache = self.new_cache()
                 ids = torch.tensor([compressed], dtype=torch.long, device=self.device)
                 last_logits = forward_tokens(self.model, cache, ids, logits_to_keep=1)[0, -1:]
                 for k, (i, whole, n_cont) in enumerate(members):
@@ -281,7 +281,7 @@ class KVPLM(HFLM):
         head = context.shape[1] - tail
         # A one-token head is not a multi-token forward, so the tail would be compressed in its
         # place; there is nothing to compress then, as with the whole text after the marker.
-        cache = self._new_cache(budget=1.0 if tail > 0 and head == 1 else None)
+        cache = self.new_cache(budget=1.0 if tail > 0 and head == 1 else None)
         if tail > 0:
             mask = generation_kwargs.get("attention_mask")
             with torch.no_grad(), self._autocast():
