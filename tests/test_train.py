@@ -511,3 +511,59 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     assert (config.position_strategy, config.max_positions, config.steps) == ("scale", 128, 200)
     with pytest.raises(ValueError, match="windows: unknown corpus"):
         collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
+
+
+# ---------------------------------------------------------------- downstream validation
+
+
+def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, essays_dir):
+    """The held-out examples are exactly the traced ones; each NLL equals a cache built and fed directly."""
+    from conftest import TINY_CONFIGS
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvp_cache import KVPCache
+    from kvp_cache.integrations import cache_kwarg
+    from kvp_cache.models import MODELS
+    from train import downstream
+
+    torch.manual_seed(0)
+    config = TINY_CONFIGS["llama"]()
+    config.vocab_size = 49152
+    model = AutoModelForCausalLM.from_config(config).eval()
+    tokenizer = AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
+    collect_config = collect.CollectConfig(
+        str(tmp_path / "traces"), model="tiny", text_files=[str(essays_dir)], text_windows=6,
+        context_tokens=(48, 64), future_tokens=(5, 8), val_fraction=0.5, shard_size=2,
+    )  # fmt: skip
+    collect.collect(collect_config, model=model, tokenizer=tokenizer)
+    examples = downstream.held_out_examples(tmp_path / "traces", "val", tokenizer)
+    train_uids = {s["uid"] for s in TraceSplit(tmp_path / "traces", "train").samples}
+    assert [e.uid for e in examples] == [s["uid"] for s in TraceSplit(tmp_path / "traces", "val").samples]
+    assert len(examples) == 3 and not train_uids & {e.uid for e in examples}
+
+    run = downstream.DownstreamConfig(
+        str(tmp_path / "traces"),
+        str(tmp_path / "out"),
+        methods=["streaming_llm", "knorm"],
+        budgets=[0.25, 1.0],
+    )
+    result = downstream.run_downstream(run, model=model, tokenizer=tokenizer)
+    records = [
+        json.loads(line) for line in (tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()
+    ]
+    for record, example in zip(records, examples, strict=True):
+        for method in ("streaming_llm", "knorm"):
+            assert record["nll"][f"{method}@1"] == pytest.approx(record["nll"]["full"], abs=1e-4)
+            cache = KVPCache(model, method=method, budget=0.25)
+            ids = torch.tensor([example.prompt_ids + example.future_ids])
+            with torch.no_grad():
+                first = model(ids[:, : len(example.prompt_ids)], **{cache_kwarg(model): cache}).logits[:, -1:]
+                rest = model(ids[:, len(example.prompt_ids) : -1], **{cache_kwarg(model): cache}).logits
+            logits = torch.cat([first, rest], 1)[0]
+            expected = torch.nn.functional.cross_entropy(logits, torch.tensor(example.future_ids))
+            assert record["nll"][f"{method}@0.25"] == pytest.approx(expected.item(), abs=1e-4)
+    assert next(iter(result)) == "provenance"
+    rows = {(r["source"], r["method"], r["budget"]) for r in result["rows"]}
+    assert ("text", "knorm", 0.25) in rows and ("all text", "streaming_llm", 1.0) in rows
+    downstream.run_downstream(run, model=model, tokenizer=tokenizer)  # resumes: nothing recomputed
+    assert len((tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()) == 3

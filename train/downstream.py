@@ -1,0 +1,227 @@
+"""``python -m train downstream``: the loss after compression on a collection's held-out samples.
+
+Eviction cost (``train evaluate``) is a proxy. This command measures what users feel, to choose
+between policies trained on the same traces: for each held-out example of a ``collect`` run, the
+prompt is prefilled once, compressed by every method at every budget, and the example's future
+(the true continuation of a text window; the gold answer of a RULER task, after its question for
+question-after examples) is teacher-forced through each compressed cache. The score is the mean
+NLL per future token minus the full cache's, per source (``essays``, ``code``, ``niah_single``,
+``niah_single-after``, ...), with a 95% bootstrap interval.
+
+The examples are rebuilt from the run's ``collect.json`` (deterministic given its seed) and must be
+exactly the ones the run traced in ``--split``, so they are held out from every policy fitted on
+its other split. Records go to ``downstream_<split>.jsonl`` as they finish (a rerun resumes); the
+summary to ``downstream_<split>.{json,md}``, with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eval.benchmark import scored_once
+from eval.realtext import continuation_nll
+from eval.stats import bootstrap_interval
+from eval.sweep import AnswerDecoder
+from kvp_cache.budget import parse_budget
+from kvp_cache.models import load_model
+from kvp_cache.prefill import prefill
+from kvp_cache.provenance import policy_record, provenance
+from kvp_cache.scorers import make_scorer
+from kvp_cache.tables import markdown_table
+from train.collect import CollectConfig, build_examples
+from train.data import Example, split_examples
+from train.evaluate import parse_policies
+from train.traces import TraceSplit
+
+FULL = "full"
+ALL_TEXT = "all text"
+TEXT_SOURCES = ("essays", "code", "docs", "dialogue", "text")
+
+
+@dataclass
+class DownstreamConfig:
+    """Everything ``downstream`` needs; the CLI flags map one to one.
+
+    policy: ``name=path`` specs, shipped names or directories (see ``train evaluate``).
+    limit: at most this many held-out examples (the first ones), 0 for all.
+    """
+
+    traces: str
+    out: str
+    split: str = "val"
+    policy: list[str] = field(default_factory=list)
+    methods: list[str] = field(
+        default_factory=lambda: ["streaming_llm", "tova", "snapkv", "expected_attention"]
+    )
+    budgets: list[float] = field(default_factory=lambda: [0.1, 0.25])
+    sinks: int = 4
+    window: int = 16
+    limit: int = 0
+
+
+def held_out_examples(traces: str | Path, split: str, tokenizer) -> list[Example]:
+    """The examples ``collect`` traced into ``traces/split``, rebuilt from its ``collect.json``.
+
+    Examples the full cache answered wrong were skipped by ``collect`` and are left out here too.
+    """
+    settings = json.loads((Path(traces) / split / "collect.json").read_text())["settings"]
+    config = CollectConfig(out=str(traces), **settings)
+    named = split_examples(build_examples(config, tokenizer), config.val_fraction, config.seed)
+    named = {config.train_name: named["train"], config.val_name: named["val"]}
+    if split not in named:
+        raise ValueError(f"split must be {config.train_name!r} or {config.val_name!r}, got {split!r}")
+    traced = [sample["uid"] for sample in TraceSplit(traces, split).samples]
+    examples = {e.uid: e for e in named[split]}
+    missing = sorted(set(traced) - set(examples))
+    if missing:
+        raise ValueError(f"{len(missing)} traced samples are not rebuilt from collect.json: {missing[:5]}")
+    return [examples[uid] for uid in traced]
+
+
+@torch.no_grad()
+def example_nll(model, decoder: AnswerDecoder, example: Example, scorers: dict, budgets: list) -> dict:
+    """``{"full": nll, "<method>@<budget>": nll}``: mean NLL per token of the example's future."""
+    if example.future_ids is None:
+        raise ValueError(
+            f"{example.uid}: a greedy future has no fixed tokens to score; collect with gold futures"
+        )
+    device = next(model.parameters()).device
+    prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
+    future = torch.tensor([example.question_ids + example.future_ids], device=device)
+    scored = {name: scored_once(scorer) for name, scorer in scorers.items()}
+    nll = {}
+    for budget in budgets:
+        cache = decoder.compressed(prefilled, list(scored.values()), budget)
+        for name, value in zip(
+            scored, continuation_nll(model, prefilled, cache, future).tolist(), strict=True
+        ):
+            nll[f"{name}@{budget:g}"] = value
+    # Last: continuation_nll appends the future to the cache it is given, here the prefill's own.
+    nll[FULL] = continuation_nll(model, prefilled, prefilled.cache, future).item()
+    return nll
+
+
+def summary_rows(records: list[dict], names: list[str], budgets: list[float]) -> list[dict]:
+    """One row per (source, method, budget): the mean NLL increase over the full cache, with its CI."""
+    groups: dict[str, list[dict]] = {}
+    for record in records:
+        groups.setdefault(record["source"], []).append(record)
+        if record["source"] in TEXT_SOURCES:
+            groups.setdefault(ALL_TEXT, []).append(record)
+    rows = []
+    for source, group in sorted(groups.items()):
+        for name in names:
+            for budget in budgets:
+                increase = [r["nll"][f"{name}@{budget:g}"] - r["nll"][FULL] for r in group]
+                rows.append(
+                    {
+                        "source": source,
+                        "method": name,
+                        "budget": budget,
+                        "n": len(increase),
+                        "nll_increase": sum(increase) / len(increase),
+                        "ci95": list(bootstrap_interval(increase)),
+                    }
+                )
+    return rows
+
+
+def markdown_summary(rows: list[dict], names: list[str], budgets: list[float]) -> str:
+    """Sources down, methods across, one table per budget; lower is better."""
+    value = {(r["source"], r["method"], r["budget"]): r for r in rows}
+    sources = sorted({r["source"] for r in rows})
+    tables = []
+    for budget in budgets:
+        body = [
+            [f"{source} (n={value[source, names[0], budget]['n']})"]
+            + [f"{value[source, name, budget]['nll_increase']:+.4f}" for name in names]
+            for source in sources
+        ]
+        tables.append(
+            f"Budget {budget:g}: NLL increase per future token\n\n" + markdown_table(["source", *names], body)
+        )
+    return "\n\n".join(tables)
+
+
+def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict:
+    """Score every held-out example (resuming from the JSONL), then write the summary files.
+
+    model / tokenizer: the collection's (default: loaded from its ``collect.json``).
+    """
+    settings = json.loads((Path(config.traces) / config.split / "collect.json").read_text())["settings"]
+    if model is None:
+        model, tokenizer = load_model(settings["model"])
+    examples = held_out_examples(config.traces, config.split, tokenizer)
+    examples = examples[: config.limit] if config.limit else examples
+    policies = parse_policies(config.policy)
+    scorers = {name: make_scorer("kvp", policy=policy) for name, policy in policies.items()}
+    scorers |= {name: make_scorer(name) for name in config.methods}
+    decoder = AnswerDecoder(model, tokenizer, config.sinks, config.window)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"downstream_{config.split}"
+    log = stem.with_suffix(".jsonl")
+    done = {}
+    if log.exists():
+        done = {r["uid"]: r for r in map(json.loads, log.read_text().splitlines())}
+    wanted = [f"{name}@{b:g}" for name in scorers for b in config.budgets]
+    for example in tqdm(examples, desc="downstream", unit="sample"):
+        if example.uid in done and all(key in done[example.uid]["nll"] for key in wanted):
+            continue
+        record = {
+            "uid": example.uid,
+            "source": example.source,
+            "prompt_tokens": len(example.prompt_ids),
+            "future_tokens": len(example.question_ids) + len(example.future_ids or []),
+            "nll": example_nll(model, decoder, example, scorers, config.budgets),
+        }
+        done[example.uid] = record
+        with log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    records = [done[e.uid] for e in examples]
+    names = list(scorers)
+    rows = summary_rows(records, names, config.budgets)
+    first = next(iter(policies.values()), None)
+    result = {
+        "provenance": provenance(settings["model"], str(next(model.parameters()).dtype), "cpu", policy=first),
+        "policies": {name: policy_record(policy) for name, policy in policies.items()},
+        "traces": str(config.traces),
+        "split": config.split,
+        "sinks": config.sinks,
+        "window": config.window,
+        "rows": rows,
+    }
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown_summary(rows, names, config.budgets)
+    stem.with_suffix(".md").write_text(
+        f"Held-out `{config.split}` examples of `{config.traces}`; sinks {config.sinks} + window "
+        f"{config.window} kept. Lower is better.\n\n{table}\n"
+    )
+    print(table)
+    return result
+
+
+def downstream_command(args: argparse.Namespace) -> dict:
+    fields = set(DownstreamConfig.__dataclass_fields__)
+    return run_downstream(DownstreamConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--traces", required=True, help="directory written by `collect`")
+    parser.add_argument("--split", default="val", help="its held-out split")
+    parser.add_argument("--policy", nargs="*", default=[], help="policy dir, shipped name or name=path")
+    parser.add_argument(
+        "--methods", nargs="*", default=DownstreamConfig.__dataclass_fields__["methods"].default_factory()
+    )
+    parser.add_argument("--budgets", type=parse_budget, nargs="*", default=[0.1, 0.25])
+    parser.add_argument("--sinks", type=int, default=4)
+    parser.add_argument("--window", type=int, default=16)
+    parser.add_argument("--limit", type=int, default=0, help="only the first N held-out examples (0: all)")
+    parser.add_argument("--out", required=True, help="writes downstream_<split>.{jsonl,json,md} here")
+    parser.add_argument("--threads", type=int, default=2)
