@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from kvp_cache import KVPCache, ruler
 from kvp_cache.budget import validate_budget
-from kvp_cache.cache import EvictingLayer
+from kvp_cache.cache import layer_bytes
 from kvp_cache.compat import cache_kwarg, text_config
 from kvp_cache.demo import DEFAULT_ESSAYS
 from kvp_cache.models import MODELS, load_model
@@ -63,17 +63,6 @@ class Row:
     def global_share(self) -> float:
         """Share of the DynamicCache's bytes held by the global layers."""
         return self.global_full_bytes / self.dynamic_bytes
-
-
-def layer_bytes(layer) -> int:
-    """Bytes of a cache layer's tensors: keys, values and, for an evicting layer, its metadata."""
-    names = ("keys", "values", "valid", "seen_real", "positions") if isinstance(layer, EvictingLayer) else ()
-    total = 0
-    for name in names or ("keys", "values"):
-        tensor = getattr(layer, name, None)
-        if isinstance(tensor, torch.Tensor):
-            total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def essay_ids(tokenizer, tokens: int) -> torch.Tensor:

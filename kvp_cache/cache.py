@@ -340,16 +340,16 @@ class EvictingLayer(DynamicLayer):
             self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
 
+def layer_bytes(layer) -> int:
+    """Bytes of one cache layer's per-row tensors (any transformers layer): keys, values and, for an
+    evicting layer, its per-slot metadata (validity, stored scores, tracked positions)."""
+    tensors = (getattr(layer, name, None) for name in EvictingLayer.BATCH_FIELDS)
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def cache_bytes(cache: Cache) -> int:
-    """Bytes of every per-row tensor of ``cache``'s layers (any transformers cache): keys, values and,
-    for evicting layers, their per-slot metadata (validity, stored scores, tracked positions)."""
-    total = 0
-    for layer in cache.layers:
-        for name in EvictingLayer.BATCH_FIELDS:
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
+    """Bytes of every layer of ``cache`` (:func:`layer_bytes`)."""
+    return sum(layer_bytes(layer) for layer in cache.layers)
 
 
 def _build_scorer(method: str | Scorer, options: dict) -> Scorer:

@@ -20,7 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvp_cache import ruler
 from kvp_cache.budget import Budget
-from kvp_cache.cache import KVPCache
+from kvp_cache.cache import KVPCache, cache_bytes
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.models import MODELS, load_model, prompt_for
 
@@ -70,16 +70,6 @@ def default_policy(model_id: str) -> str:
         f"no KVP policy ships for {model_id} (shipped: {', '.join(names) or 'none'}); "
         "pass a method (--method, see kvp_cache.available_methods()) or a policy (--policy)"
     )
-
-
-def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    """Bytes of the keys and values held by every layer of a ``DynamicCache``."""
-    total = 0
-    for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
 
 
 class _TokenProgress(BaseStreamer):
@@ -192,7 +182,7 @@ def run_demo(
         prompt_tokens=input_ids.shape[1],
         method=label,
         budget=budget,
-        full=run("full DynamicCache", full_answer, dynamic_cache_bytes(full_cache), full_seconds),
+        full=run("full DynamicCache", full_answer, cache_bytes(full_cache), full_seconds),
         compressed=run(f"KVPCache {label} @ {budget}", answer, cache.kv_bytes(), seconds),
     )
 
