@@ -39,7 +39,7 @@ from kvp_cache.budget import (
     validate_schedule,
 )
 from kvp_cache.capture import append_queries, drop_last_queries, map_query_batch
-from kvp_cache.compat import attention_shape, check_decoder_config, text_config
+from kvp_cache.compat import attention_shape, check_decoder_config, evicting_layer_indices, text_config
 from kvp_cache.hooks import ForwardContext, ModelHooks
 from kvp_cache.prefill import Prefill
 from kvp_cache.scorers import QueryStates, Scorer, make_scorer
@@ -459,10 +459,10 @@ class KVPCache(Cache):
             built_from_model=model is not None,
         )
         self.context = ForwardContext()
-        reference = DynamicCache(config=config)
+        evicting = set(evicting_layer_indices(config))
         layers = [
-            EvictingLayer(self.settings, self.context, i) if type(layer) is DynamicLayer else layer
-            for i, layer in enumerate(reference.layers)
+            EvictingLayer(self.settings, self.context, i) if i in evicting else layer
+            for i, layer in enumerate(DynamicCache(config=config).layers)
         ]
         super().__init__(layers=layers)
         self.method = scorer.name or type(scorer).__name__

@@ -75,6 +75,21 @@ def attention_shape(config: PretrainedConfig) -> AttentionShape:
     )
 
 
+def evicting_layer_indices(config: PretrainedConfig) -> list[int]:
+    """Indices of the decoder layers a ``KVPCache`` evicts (and a ``KVPolicy`` has agents for).
+
+    These are the full-attention layers: those transformers' ``DynamicCache`` builds as a plain
+    ``DynamicLayer`` for ``config``. Sliding-window, chunked, linear-attention and shared layers keep
+    their own bounded cache and are never evicted; e.g. Gemma 3 270M evicts 3 of its 18 layers.
+    Reading the layers off ``DynamicCache`` avoids copying its layer-type inference, which changed
+    across transformers versions.
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    reference = DynamicCache(config=text_config(config))
+    return [i for i, layer in enumerate(reference.layers) if type(layer) is DynamicLayer]
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword under which ``model.forward`` and ``generate`` take a cache.
 

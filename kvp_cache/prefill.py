@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvp_cache.capture import QueryCapture
-from kvp_cache.compat import cache_kwarg, text_config
+from kvp_cache.compat import cache_kwarg, evicting_layer_indices, text_config
 
 
 @dataclass
@@ -41,8 +41,7 @@ def prefill(
 ) -> Prefill:
     """Run ``model`` over ``input_ids`` (``[batch, seq]``) and keep its full state."""
     cache = DynamicCache(config=text_config(model.config))
-    full_attention = {i for i, layer in enumerate(cache.layers) if type(layer).__name__ == "DynamicLayer"}
-    capture = QueryCapture(model, window=-1, layer_indices=full_attention)
+    capture = QueryCapture(model, window=-1, layer_indices=set(evicting_layer_indices(model.config)))
     queries: dict = {}
     capture.attach(queries)
     try:
