@@ -1,4 +1,4 @@
-"""The learned KVP eviction policy of one LLM: a :class:`~kvp_cache.agents.HeadAgents` per layer.
+"""The learned KVP eviction policy of one LLM: a :class:`~kvp_cache.agents.HeadAgents` per evicting layer.
 
 :class:`KVPolicy` is the unit that is trained, saved, shipped and loaded. Its jobs live in:
 
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from transformers import PretrainedConfig
 
 from kvp_cache.agents import POSITION_STRATEGIES, HeadAgents, check_position_strategy, check_positive_int
-from kvp_cache.compat import attention_shape, text_config
+from kvp_cache.compat import attention_shape, evicting_layer_indices, text_config
 from kvp_cache.policy_card import LIBRARY_NAME, LICENSE, PAPER_URL, TAGS, check_training, model_card
 from kvp_cache.policy_loading import (
     ARCHITECTURE_KEYS,
@@ -34,8 +34,9 @@ from kvp_cache.policy_loading import (
 )
 from kvp_cache.provenance import sha256_of
 
-# The sizes a policy shares with its LLM: one agent per (layer, KV head), each reading head_dim vectors.
-MODEL_SHAPE = ("num_layers", "num_kv_heads", "head_dim")
+# What a policy shares with its LLM: one agent per (evicting layer, KV head), each reading head_dim
+# vectors; layer_indices are the layers the cache evicts (all of them unless the model is hybrid).
+MODEL_SHAPE = ("num_layers", "num_kv_heads", "head_dim", "layer_indices")
 
 
 class KVPolicy(
@@ -46,10 +47,15 @@ class KVPolicy(
     license=LICENSE,
     paper_url=PAPER_URL,
 ):
-    """The learned eviction policy of one LLM: a :class:`HeadAgents` per model layer.
+    """The learned eviction policy of one LLM: a :class:`HeadAgents` per evicting model layer.
 
     Args:
         num_layers, num_kv_heads, head_dim: the LLM's decoder (use :meth:`for_model`).
+        layer_indices: the model layers that have agents, ascending: the layers the cache evicts
+            (:func:`~kvp_cache.compat.evicting_layer_indices`). None means every layer (the
+            models without sliding-window layers); a hybrid model such as Gemma 3 lists only
+            its full-attention layers. ``self.layers[i]`` holds the agents of model layer
+            ``layer_indices[i]``; :meth:`agents_for` maps a model layer to them.
         hidden_dim, pos_dim, max_positions, num_mlp_layers: agent sizes (see :class:`HeadAgents`).
             The defaults are sized for SmolLM2-135M (bench/bench_policy.py): scoring all heads
             of a 4K prompt costs about 1% of its prefill on CPU, and the weights take 5.8 MB.
@@ -81,6 +87,7 @@ class KVPolicy(
         position_strategy: str = "clamp",
         base_model: str = "",
         training: dict | None = None,
+        layer_indices: list[int] | None = None,
     ):
         super().__init__()
         for name, value in (
@@ -92,6 +99,8 @@ class KVPolicy(
         if not isinstance(base_model, str):
             raise ValueError(f"base_model must be a str (a Hub model id or ''), got {base_model!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.layer_indices = check_layer_indices(layer_indices, num_layers)
+        self._agent_of_layer = {layer: i for i, layer in enumerate(self.layer_indices)}
         self.hidden_dim, self.pos_dim, self.max_positions = hidden_dim, pos_dim, max_positions
         self.num_mlp_layers = num_mlp_layers
         self.base_model = base_model
@@ -100,7 +109,7 @@ class KVPolicy(
             HeadAgents(
                 num_kv_heads, head_dim, hidden_dim, pos_dim, max_positions, num_mlp_layers, position_strategy
             )
-            for _ in range(num_layers)
+            for _ in self.layer_indices
         )
 
     @property
@@ -113,11 +122,17 @@ class KVPolicy(
         for agents in self.layers:
             agents.position_strategy = value
 
+    def agents_for(self, layer_idx: int) -> HeadAgents:
+        """The agents of model layer ``layer_idx`` (one of :attr:`layer_indices`)."""
+        if layer_idx not in self._agent_of_layer:
+            raise ValueError(
+                f"layer_idx must be one of the policy's layer_indices {self.layer_indices}, got {layer_idx}"
+            )
+        return self.layers[self._agent_of_layer[layer_idx]]
+
     def forward(self, layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
-        """Scores ``[batch, kv_heads, seq]`` (float32, -inf on padding) of layer ``layer_idx``."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers - 1}], got {layer_idx}")
-        return self.layers[layer_idx](keys, values, positions)
+        """Scores ``[batch, kv_heads, seq]`` (float32, -inf on padding) of model layer ``layer_idx``."""
+        return self.agents_for(layer_idx)(keys, values, positions)
 
     @classmethod
     def for_model(cls, model_or_config: nn.Module | PretrainedConfig, **sizes) -> KVPolicy:
@@ -136,8 +151,8 @@ class KVPolicy(
     def check_compatible(self, config: PretrainedConfig | nn.Module, check_base_model: bool = True) -> None:
         """Raise ``ValueError`` naming every mismatch between the policy and an LLM (model or config).
 
-        Compares layers, KV heads, head_dim and, with ``check_base_model`` and when both are Hub
-        ids, the base model id.
+        Compares layers, KV heads, head_dim, the evicting layers (``layer_indices``) and, with
+        ``check_base_model`` and when both are Hub ids, the base model id.
         """
         config = _config_of(config)
         shape = model_shape(config)
@@ -172,6 +187,7 @@ class KVPolicy(
 
         architecture = {key: getattr(self, key) for key in ARCHITECTURE_KEYS}
         return architecture | {
+            "layer_indices": self.layer_indices,
             "position_strategy": self.position_strategy,
             "base_model": self.base_model,
             "training": self.training_info,
@@ -262,10 +278,30 @@ def _config_of(model_or_config: nn.Module | PretrainedConfig) -> PretrainedConfi
     return text_config(config)
 
 
-def model_shape(config: PretrainedConfig) -> dict[str, int]:
-    """The :data:`MODEL_SHAPE` sizes of a decoder config, as ``KVPolicy`` arguments."""
+def model_shape(config: PretrainedConfig) -> dict[str, int | list[int]]:
+    """The :data:`MODEL_SHAPE` of a decoder config (sizes and evicting layers), as ``KVPolicy`` arguments."""
     shape = attention_shape(config)
-    return {name: getattr(shape, name) for name in MODEL_SHAPE}
+    sizes = {name: getattr(shape, name) for name in MODEL_SHAPE if name != "layer_indices"}
+    return sizes | {"layer_indices": evicting_layer_indices(config)}
+
+
+def check_layer_indices(layer_indices: list[int] | None, num_layers: int) -> list[int]:
+    """``layer_indices`` as a list (every layer when None); a clear error unless it is a non-empty,
+    strictly ascending list of ints in ``[0, num_layers)``."""
+    if layer_indices is None:
+        return list(range(num_layers))
+    indices = list(layer_indices) if isinstance(layer_indices, list | tuple) else None
+    if (
+        not indices
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+        or indices != sorted(set(indices))
+        or not 0 <= indices[0] <= indices[-1] < num_layers
+    ):
+        raise ValueError(
+            f"layer_indices must be a non-empty ascending list of distinct layer indices in "
+            f"[0, {num_layers - 1}] (or None for every layer), got {layer_indices!r}"
+        )
+    return indices
 
 
 def load_policy(name_or_path: str | Path, map_location: str | torch.device = "cpu") -> KVPolicy:

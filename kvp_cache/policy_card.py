@@ -105,8 +105,8 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
         "## Architecture",
         "",
         f"- base model: `{policy.base_model or 'unknown'}`",
-        f"- {policy.num_layers} layers x {policy.num_kv_heads} KV heads (head_dim {policy.head_dim}), "
-        f"{policy.num_layers * policy.num_kv_heads} agents, {policy.num_parameters():,} parameters "
+        f"- {evicting_layers(policy)} x {policy.num_kv_heads} KV heads (head_dim {policy.head_dim}), "
+        f"{len(policy.layer_indices) * policy.num_kv_heads} agents, {policy.num_parameters():,} parameters "
         f"({policy.num_parameters() * 4 / 1e6:.2f} MB in float32)",
         f"- agent: hidden_dim {policy.hidden_dim}, pos_dim {policy.pos_dim}, max_positions "
         f"{policy.max_positions}, num_mlp_layers {policy.num_mlp_layers}",
@@ -158,3 +158,11 @@ def model_card(policy: KVPolicy, tags: list[str], repo_id: str | None = None) ->
         datasets=list(policy.training_info.get("datasets", [])) or None,
     )
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n{model_card_body(policy, repo_id)}")
+
+
+def evicting_layers(policy) -> str:
+    """The layers that have agents: "30 layers", or "3 of 18 layers (5, 11, 17)" for a hybrid model."""
+    if len(policy.layer_indices) == policy.num_layers:
+        return f"{policy.num_layers} layers"
+    listed = ", ".join(map(str, policy.layer_indices))
+    return f"{len(policy.layer_indices)} of {policy.num_layers} layers ({listed})"

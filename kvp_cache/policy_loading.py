@@ -37,7 +37,8 @@ ARCHITECTURE_KEYS = (
     "max_positions",
     "num_mlp_layers",
 )
-OPTIONAL_KEYS = ("position_strategy", "base_model", "training", "kvp_cache_version")
+# layer_indices is optional: policies saved before hybrid models were supported have agents for every layer.
+OPTIONAL_KEYS = ("layer_indices", "position_strategy", "base_model", "training", "kvp_cache_version")
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -140,7 +140,7 @@ def test_bad_options_are_refused(change, message):
 def test_bad_inputs_are_refused(llama):
     policy = tiny_policy(llama)
     keys, positions = torch.randn(1, 2, 5, 16), torch.arange(5)[None]
-    with pytest.raises(ValueError, match=r"layer_idx must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"layer_idx must be one of the policy's layer_indices \[0, 1\]"):
         policy(2, keys, keys, positions)
     with pytest.raises(ValueError, match=r"keys must be \[batch, 2, seq, 16\]"):
         policy(0, torch.randn(1, 3, 5, 16), torch.randn(1, 3, 5, 16), positions)
@@ -153,13 +153,17 @@ def test_bad_inputs_are_refused(llama):
 # ---- shape checks against models ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, layers, head_dim", [("llama", 2, 16), ("qwen3", 2, 16), ("gemma3", 4, 16)])
-def test_for_model_reads_the_decoder_shape(kind, layers, head_dim):
+@pytest.mark.parametrize(
+    "kind, layers, head_dim, evicting",
+    [("llama", 2, 16, [0, 1]), ("qwen3", 2, 16, [0, 1]), ("gemma3", 4, 16, [1, 3])],
+)
+def test_for_model_reads_the_decoder_shape(kind, layers, head_dim, evicting):
     model = tiny_model(kind)
     model.config.name_or_path = "someone/tiny-" + kind
     policy = KVPolicy.for_model(model, **SIZES)
     assert (policy.num_layers, policy.num_kv_heads, policy.head_dim) == (layers, 2, head_dim)
-    assert len(policy.layers) == layers and policy.base_model == "someone/tiny-" + kind
+    assert policy.layer_indices == evicting and len(policy.layers) == len(evicting)
+    assert policy.base_model == "someone/tiny-" + kind
     assert KVPolicy.for_model(model.config, base_model="x/y", **SIZES).base_model == "x/y"
     policy.check_compatible(model.config)
     with pytest.raises(TypeError, match="num_layers"):

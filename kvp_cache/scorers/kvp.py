@@ -50,12 +50,12 @@ class KVPScorer(Scorer):
 
     def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
         """``[batch, kv_heads, seq]`` float32 scores of layer ``layer_idx``; -inf on padding."""
-        if not 0 <= layer_idx < self.policy.num_layers:
+        if layer_idx not in self.policy.layer_indices:
             raise ValueError(
-                f"The KVP policy has {self.policy.num_layers} layers but layer {layer_idx} asked for scores: "
-                "it was trained for another model"
+                f"The KVP policy has agents for layers {self.policy.layer_indices} but layer {layer_idx} asked "
+                "for scores: it was trained for another model"
             )
-        agents = self.policy.layers[layer_idx]
+        agents = self.policy.agents_for(layer_idx)
         if agents.position_table.device != keys.device:
             agents.to(keys.device)
         with torch.no_grad():
