@@ -3,10 +3,12 @@
 For every example the prompt is prefilled once into a ``DynamicCache``, whose post-RoPE keys and
 values are exactly what an eviction cache would hold. When the future is the model's own answer, or
 a RULER sample must be checked (``only_correct``: keep only samples the full cache answers), the
-model then decodes greedily and the cache is cropped back to the prompt. Last, the future (question
-tokens, if asked after, then the gold answer, the greedy answer or the true text continuation) runs
-over the cache with a pre-hook on each attention module that keeps its input hidden states and RoPE
-tables. Per layer it stores the prompt's K/V and each prompt token's targets (``train/targets.py``):
+model then decodes greedily on a copy of the cache. Last, the future (question tokens, if asked
+after, then the gold answer, the greedy answer or the true text continuation) runs over the cache
+with a pre-hook on each traced attention module that keeps its input hidden states and RoPE tables.
+Only the layers a ``KVPCache`` evicts are traced (:func:`kvp_cache.compat.evicting_layer_indices`:
+every layer of SmolLM2, the 3 full-attention layers of Gemma 3 270M; the metadata lists them).
+Per traced layer it stores the prompt's K/V and each prompt token's targets (``train/targets.py``):
 the future attention and its value-weighted twin, from the model's full causal softmax attention
 over prompt + future. Future queries are processed in chunks, never as a full ``T x T`` matrix.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import shutil
 import time
@@ -33,8 +36,8 @@ from transformers import DynamicCache
 
 from kvp_cache import ruler
 from kvp_cache.capture import queries_of
-from kvp_cache.compat import attention_shape, cache_kwarg, text_config
-from kvp_cache.models import load_model
+from kvp_cache.compat import attention_shape, cache_kwarg, evicting_layer_indices, text_config
+from kvp_cache.models import MODELS, load_model
 from kvp_cache.scorers import make_scorer, methods
 from train import data
 from train.corpora import CORPORA, DEFAULT_ESSAYS, documents
@@ -107,7 +110,8 @@ def query_aware_methods() -> list[str]:
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
-    """The attention module of every layer, in layer order (Llama-style: ``q_proj`` and ``layer_idx``)."""
+    """The attention modules of the evicting layers, in layer order (Llama-style: ``q_proj`` and
+    ``layer_idx``); sliding-window layers are never evicted, so they are not traced."""
     modules = sorted(
         (m for m in model.modules() if hasattr(m, "q_proj") and getattr(m, "layer_idx", None) is not None),
         key=lambda m: m.layer_idx,
@@ -117,7 +121,8 @@ def attention_modules(model) -> list[torch.nn.Module]:
         raise NotImplementedError(
             f"collect needs Llama-style attention modules (q_proj, layer_idx); found {len(modules)} of {layers}"
         )
-    return modules
+    evicting = set(evicting_layer_indices(model.config))
+    return [m for m in modules if m.layer_idx in evicting]
 
 
 class InputCapture:
@@ -156,7 +161,7 @@ def greedy_continue(
     """The model's greedy answer after the cached prompt (then ``question_ids``).
 
     logits: ``[vocab]`` of the prompt's last position. Stops at EOS (kept), after
-    ``max_new_tokens``, or as soon as ``done(tokens)`` holds. The cache grows; the caller crops it.
+    ``max_new_tokens``, or as soon as ``done(tokens)`` holds. The cache grows: pass a copy.
     """
     keyword = cache_kwarg(model)
     if question_ids:
@@ -179,7 +184,7 @@ def greedy_continue(
 
 @dataclass
 class Trace:
-    """One traced example: per layer ``{"keys", "values", "importance", "value_importance",
+    """One traced example: per traced layer ``{"keys", "values", "importance", "value_importance",
     "score.<m>"...}`` of shapes ``[kv_heads, n, d]`` / ``[kv_heads, n]`` (None when the full cache
     answered wrong and the example is skipped), the future's length and the greedy answer."""
 
@@ -219,11 +224,10 @@ def trace_example(
     if example.future_ids is None or check:
         # A gold future needs only the verdict, so decoding stops once the answer is complete.
         stop = answered if check and example.future_ids is not None else None
+        # On a copy: a sliding-window layer cannot be cropped back to the prompt once it has slid.
         answer_ids = greedy_continue(
-            model, cache, out.logits[0, -1], example.question_ids, max_new_tokens, stop
+            model, copy.deepcopy(cache), out.logits[0, -1], example.question_ids, max_new_tokens, stop
         )
-        # A negative crop removes that many tokens in every supported transformers version.
-        cache.crop(n - cache.get_seq_length())
         if check:
             correct = answered(answer_ids)
             if not correct:
@@ -259,8 +263,19 @@ def trace_example(
     return Trace(layers, len(future), answer_ids, correct)
 
 
-def build_examples(config: CollectConfig, tokenizer) -> list[data.Example]:
-    """Every example the config asks for, deterministic given the seed, sources interleaved."""
+def uses_chat(model_name: str, tokenizer) -> bool:
+    """Whether RULER prompts go through the chat template: a registered model says so (base models
+    such as Gemma 3 270M take plain prompts); otherwise, whether the tokenizer has a template."""
+    if model_name in MODELS:
+        return MODELS[model_name].chat
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def build_examples(config: CollectConfig, tokenizer, chat: bool = True) -> list[data.Example]:
+    """Every example the config asks for, deterministic given the seed, sources interleaved.
+
+    chat: RULER prompts in the chat template (instruct models) or plain (base models).
+    """
     groups = []
     gold = config.task_future == "gold"
     for count, after in ((config.synthetic, False), (config.synthetic_after, True)):
@@ -276,6 +291,7 @@ def build_examples(config: CollectConfig, tokenizer) -> list[data.Example]:
                     question_after=after,
                     gold_future=gold,
                     split=config.ruler_split,
+                    chat=chat,
                 )
             )
     window_tokens = config.context_tokens[1] + config.future_tokens[1]
@@ -314,7 +330,7 @@ def collect(config: CollectConfig, model=None, tokenizer=None) -> Path:
     torch.manual_seed(config.seed)
     if model is None:
         model, tokenizer = load_model(config.model)
-    examples = build_examples(config, tokenizer)
+    examples = build_examples(config, tokenizer, uses_chat(config.model, tokenizer))
     splits = data.split_examples(examples, config.val_fraction, config.seed)
     named = {config.train_name: splits["train"], config.val_name: splits["val"]}
     scored = {"val": {config.val_name}, "all": set(named), "none": set()}[config.query_scores]
@@ -358,6 +374,7 @@ def write_traces(
         "num_layers": shape.num_layers,
         "num_kv_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
+        "layer_indices": [module.layer_idx for module in modules],
     }
     todo = []
     for split, items in splits.items():

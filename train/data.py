@@ -19,6 +19,7 @@ from pathlib import Path
 
 from eval.corpora import refuse_held_out
 from kvp_cache import ruler
+from kvp_cache.models import prompt_for
 
 
 @dataclass
@@ -69,11 +70,14 @@ def synthetic_examples(
     question_after: bool = False,
     gold_future: bool = True,
     split: str = "train",
+    chat: bool = True,
 ) -> list[Example]:
     """``n`` RULER-style prompts of ruler's ``split``, round-robin over ``tasks`` (default: all).
 
-    Each prompt is about ``log_uniform_length(*context_tokens)`` tokens. With the question inside
-    (``question_after=False``, the paper's protocol) the ranked cache is the whole chat prompt;
+    Each prompt is about ``log_uniform_length(*context_tokens)`` tokens, in the chat template
+    (``chat``, instruct models) or plain (base models), see :func:`kvp_cache.models.prompt_for`.
+    With the question inside
+    (``question_after=False``, the paper's protocol) the ranked cache is the whole prompt;
     with ``question_after=True`` it is the context alone and the question joins the future. The
     future answer is the gold one, teacher-forced (``gold_future``), or the model's greedy one.
     """
@@ -91,7 +95,7 @@ def synthetic_examples(
         task = tasks[i % len(tasks)]
         length = log_uniform_length(rng, *context_tokens)
         (sample,) = ruler.make_samples(task, tokenizer, length, 1, seed * 100_000 + i, haystack, split=split)
-        prefix, suffix = ruler.chat_prompt(sample, tokenizer, question_in_context=not question_after)
+        prefix, suffix = prompt_for(sample, tokenizer, chat, question_in_context=not question_after)
         examples.append(
             Example(
                 uid=f"{task}{kind}/{i}",
@@ -166,7 +170,9 @@ def text_examples(
     """``n`` windows cut at random places from the documents, joined by EOS into one token stream.
 
     Each window is a prompt of ``log_uniform_length(*context_tokens)`` tokens followed by its true
-    continuation of a uniform ``future_tokens[0]..future_tokens[1]`` tokens.
+    continuation of a uniform ``future_tokens[0]..future_tokens[1]`` tokens. The prompt starts
+    with the tokens the tokenizer puts before any text (Gemma's BOS; none for SmolLM2), as every
+    prompt the model sees does.
     """
     if n <= 0:
         return []
@@ -176,6 +182,7 @@ def text_examples(
     order = list(range(len(documents)))
     rng.shuffle(order)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    start_ids = leading_special_ids(tokenizer)
     stream: list[int] = []
     for i in order:
         stream += tokenizer(documents[i], add_special_tokens=False)["input_ids"] + eos
@@ -191,8 +198,15 @@ def text_examples(
         length = context + rng.randint(*future_tokens)
         start = rng.randrange(0, len(stream) - length + 1)
         window = stream[start : start + length]
-        examples.append(Example(f"{prefix}/{i}", prefix, window[:context], window[context:]))
+        examples.append(Example(f"{prefix}/{i}", prefix, start_ids + window[:context], window[context:]))
     return examples
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer adds before any text (``[bos]`` for Gemma, ``[]`` for SmolLM2)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    ids = tokenizer("a")["input_ids"]
+    return ids[: len(ids) - len(plain)] if ids[len(ids) - len(plain) :] == plain else []
 
 
 def split_examples(examples: list[Example], val_fraction: float, seed: int) -> dict[str, list[Example]]:

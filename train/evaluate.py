@@ -83,7 +83,7 @@ def evaluate(
     """Mean evicted share per budget and normalized AUC of every method, with and without protection."""
     data = TraceSplit(traces, split)
     info = data.model
-    layers = layers if layers is not None else list(range(info["num_layers"]))
+    layers = layers if layers is not None else data.layer_indices
     kv_methods = registry_methods(query_aware=False, learned=False)
     grid = budget_grid(20)
     all_budgets = sorted(set(budgets) | set(grid))

@@ -1,4 +1,4 @@
-"""``python -m train fit``: train a KVPolicy on collected traces, one layer at a time.
+"""``python -m train fit``: train a KVPolicy on collected traces, one traced layer at a time.
 
 Per layer, all KV heads train together as one batched ``HeadAgents``:
 
@@ -42,7 +42,7 @@ from train import plots, rl, supervised
 from train.batch import Batch, pad_batch
 from train.reward import rank_by_scores, ranking_reward
 from train.targets import TARGETS, target
-from train.traces import LayerSample, TraceSplit
+from train.traces import LayerSample, TraceSplit, traced_layers
 
 OBJECTIVES = ("rl", *supervised.LOSSES)
 VALIDATION_BATCH = 32
@@ -243,6 +243,7 @@ def new_policy(info: dict, config: FitConfig, training: dict | None = None) -> K
         position_strategy=config.position_strategy,
         base_model=info["name"] if "/" in info["name"] else "",
         training=training,
+        layer_indices=traced_layers(info),
     )
 
 
@@ -282,7 +283,7 @@ def train_layers(
         if weights.exists() and record.exists():
             continue
         torch.manual_seed(config.seed * 1000 + layer)
-        agents = policy.layers[layer].to(state.device)
+        agents = policy.agents_for(layer).to(state.device)
         started = time.time()
         history = fit_layer(
             agents,
@@ -303,7 +304,7 @@ def assemble_policy(
     """Load every saved layer, attach the training record, and write ``<out>/policy``."""
     policy = policy.cpu()
     histories = []
-    for layer, agents in enumerate(policy.layers):
+    for layer, agents in zip(policy.layer_indices, policy.layers, strict=True):
         weights, record = layer_paths(out, layer)
         agents.load_state_dict(load_file(str(weights)))
         histories.append(json.loads(record.read_text()))
@@ -345,13 +346,18 @@ def fit(config: FitConfig) -> Path:
     val = TraceSplit(config.traces, config.val_split)
     out = prepare_run_dir(config, state)
     policy = initial_policy(train.model, config)
-    layers = config.layers if config.layers is not None else list(range(train.model["num_layers"]))
+    layers = config.layers if config.layers is not None else train.layer_indices
+    untraced = sorted(set(layers) - set(train.layer_indices))
+    if untraced:
+        raise ValueError(
+            f"layers {untraced} are not traced in {config.traces}; traced: {train.layer_indices}"
+        )
     started = time.time()
     train_layers(policy, layers[state.process_index :: state.num_processes], train, val, config, out, state)
     state.wait_for_everyone()
     if not state.is_main_process:
         return out
-    missing = [i for i in range(train.model["num_layers"]) if not layer_paths(out, i)[0].exists()]
+    missing = [i for i in train.layer_indices if not layer_paths(out, i)[0].exists()]
     if missing:
         print(f"layers still to train: {missing}; the policy is written once every layer is done")
         return out

@@ -1,5 +1,10 @@
 """On-disk traces: ``<root>/<split>/shard_XXXXX/layer_YY.safetensors`` plus ``meta.json``.
 
+Only the layers a ``KVPCache`` evicts are traced, ``YY`` being the model layer index: every layer
+of SmolLM2, the full-attention layers 5, 11 and 17 of Gemma 3 270M. ``meta.json``'s ``model``
+lists them under ``layer_indices`` (traces written before hybrid models were supported have no
+such field: they hold every layer).
+
 One file per (shard, layer) holds every sample of the shard concatenated along the token axis:
 
 - ``keys``, ``values``: ``[kv_heads, total_tokens, head_dim]`` float16, post-RoPE prompt K/V;
@@ -40,10 +45,19 @@ def shard_done(shard: Path) -> bool:
     return (shard / "meta.json").exists()
 
 
+def traced_layers(model: dict) -> list[int]:
+    """The model layers a trace holds, from its metadata's ``model`` record (default: every layer)."""
+    return model.get("layer_indices", list(range(model["num_layers"])))
+
+
 def write_shard(shard: Path, per_layer: list[dict[str, list[torch.Tensor]]], meta: dict) -> None:
-    """Write one shard. ``per_layer[l][name]`` is a list over samples of ``[kv_heads, n_i, ...]``."""
+    """Write one shard. ``per_layer[i][name]`` is a list over samples of ``[kv_heads, n_i, ...]`` of
+    the ``i``-th traced layer (:func:`traced_layers` of ``meta["model"]``)."""
     shard.mkdir(parents=True, exist_ok=True)
-    for layer, tensors in enumerate(per_layer if meta["samples"] else []):
+    layers = traced_layers(meta["model"]) if meta["samples"] else []
+    if meta["samples"] and len(per_layer) != len(layers):
+        raise ValueError(f"per_layer has {len(per_layer)} layers, the metadata traces layers {layers}")
+    for layer, tensors in zip(layers, per_layer if meta["samples"] else [], strict=True):
         lengths = [t.shape[1] for t in tensors["keys"]]
         offsets = torch.tensor([0] + lengths).cumsum(0)
         out = {"offsets": offsets}
@@ -82,6 +96,7 @@ class TraceSplit:
                 f"no finished shards with samples under {self.dir}; run `python -m train collect` first"
             )
         self.model = self.metas[0]["model"]
+        self.layer_indices = traced_layers(self.model)
 
     @property
     def samples(self) -> list[dict]:
@@ -91,7 +106,9 @@ class TraceSplit:
         return len(self.samples)
 
     def layer(self, layer: int) -> list[LayerSample]:
-        """Every sample of ``layer`` (views into the memory-mapped shard files)."""
+        """Every sample of model layer ``layer`` (views into the memory-mapped shard files)."""
+        if layer not in self.layer_indices:
+            raise ValueError(f"layer must be one of the traced layers {self.layer_indices}, got {layer}")
         out = []
         for shard, meta in zip(self.shards, self.metas, strict=True):
             with safe_open(str(layer_file(shard, layer)), framework="pt") as f:
