@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from safetensors.torch import load_file
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, Gemma3TextConfig, LlamaConfig
 
 from kvp_cache import KVPCache
 from kvp_cache.agents import HeadAgents
@@ -206,3 +206,20 @@ def test_traces_without_layer_indices_hold_every_layer(tmp_path):
     split = TraceSplit(tmp_path, "train")
     assert split.layer_indices == [0, 1]
     assert torch.equal(split.layer(1)[0].importance, torch.arange(3.0)[None])
+
+
+def test_shipped_gemma_policy_fits_the_gemma3_270m_layout():
+    """Gemma 3 270M's layout (18 layers, a global one after every 5 sliding ones, 1 KV head of dim
+    256), built without the weights: the shipped policy fits it and only it."""
+    layout = dict(num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256)
+    gemma = Gemma3TextConfig(
+        vocab_size=256, hidden_size=640, intermediate_size=64, sliding_window=512, **layout
+    )
+    gemma.name_or_path = "google/gemma-3-270m"
+    assert evicting_layer_indices(gemma) == [5, 11, 17]
+    policy = load_policy("gemma3-270m")
+    assert policy.layer_indices == [5, 11, 17] and policy.base_model == gemma.name_or_path
+    policy.check_compatible(gemma)
+    full = LlamaConfig(vocab_size=256, hidden_size=640, intermediate_size=64, **layout)
+    with pytest.raises(ValueError, match=r"layer_indices: policy has \[5, 11, 17\], model has \[0, 1, 2"):
+        policy.check_compatible(full)
