@@ -76,12 +76,19 @@ def held_out_examples(traces: str | Path, split: str, tokenizer) -> list[Example
     named = {config.train_name: named["train"], config.val_name: named["val"]}
     if split not in named:
         raise ValueError(f"split must be {config.train_name!r} or {config.val_name!r}, got {split!r}")
-    traced = [sample["uid"] for sample in TraceSplit(traces, split).samples]
+    traced = TraceSplit(traces, split).samples
     examples = {e.uid: e for e in named[split]}
-    missing = sorted(set(traced) - set(examples))
-    if missing:
-        raise ValueError(f"{len(missing)} traced samples are not rebuilt from collect.json: {missing[:5]}")
-    return [examples[uid] for uid in traced]
+    differ = [
+        s["uid"]
+        for s in traced
+        if s["uid"] not in examples or len(examples[s["uid"]].prompt_ids) != s["prompt_tokens"]
+    ]
+    if differ:
+        raise ValueError(
+            f"{len(differ)} traced samples are not rebuilt identically from collect.json (was the "
+            f"collection made by another version of the code?): {differ[:5]}"
+        )
+    return [examples[s["uid"]] for s in traced]
 
 
 @torch.no_grad()
