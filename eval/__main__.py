@@ -10,9 +10,10 @@ from pathlib import Path
 
 from kvp_cache.budget import parse_budget
 from kvp_cache.cli import add_protected_tokens_arguments
-from kvp_cache.models import load_model
+from kvp_cache.models import MODELS, load_model
 from kvp_cache.provenance import provenance
 
+SHIPPED = "shipped"  # the benchmark's default policy: the one shipped for --model
 RESULTS = Path(__file__).resolve().parent / "results"
 ESSAYS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
 
@@ -108,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the canonical report: needles (both protocols) and held-out real text, CIs, resumable",
     )
     add_common(bench)
-    bench.set_defaults(policy="smollm2-135m-instruct")
+    bench.set_defaults(policy=SHIPPED)
     bench.add_argument("--budgets", type=comma_list(parse_budget), default=[0.05, 0.1, 0.25, 0.5])
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
@@ -224,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.policy == SHIPPED:
+        from kvp_cache.demo import default_policy
+
+        args.policy = default_policy(MODELS[args.model].model_id if args.model in MODELS else args.model)
     policy = load_policy_if(args.policy)
     model, tokenizer = load_model(args.model, device=args.device)
     if args.command == "sweep":
