@@ -7,6 +7,7 @@ model whose evicting layers differ; policies and traces from before ``layer_indi
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -173,14 +174,18 @@ def test_bad_layer_indices_are_refused(indices):
         KVPolicy(num_layers=4, num_kv_heads=2, head_dim=16, layer_indices=indices, **SIZES)
 
 
-def test_shipped_smollm2_policy_loads_unchanged(tmp_path):
-    """No layer_indices in its config.json: agents for all 30 layers, agent i holding the file's
-    ``layers.i`` weights, so scores equal agents built straight from the file."""
-    directory = POLICIES_DIR / "smollm2-135m-instruct"
-    assert "layer_indices" not in json.loads((directory / "config.json").read_text())
-    policy = load_policy("smollm2-135m-instruct")
+def test_policy_saved_before_layer_indices_loads_unchanged(tmp_path):
+    """A config.json without layer_indices (policies saved before the field existed): agents for
+    all 30 layers, agent i holding the file's ``layers.i`` weights, so scores equal agents built
+    straight from the file."""
+    old_format = tmp_path / "old"
+    shutil.copytree(POLICIES_DIR / "smollm2-135m-instruct", old_format)
+    config = json.loads((old_format / "config.json").read_text())
+    assert config.pop("layer_indices") == list(range(30))
+    (old_format / "config.json").write_text(json.dumps(config))
+    policy = load_policy(old_format)
     assert policy.layer_indices == list(range(30))
-    weights = load_file(str(directory / "model.safetensors"))
+    weights = load_file(str(old_format / "model.safetensors"))
     assert set(policy.state_dict()) == set(weights)
     g = torch.Generator().manual_seed(3)
     keys, values = torch.randn(1, 3, 50, 64, generator=g), torch.randn(1, 3, 50, 64, generator=g)
@@ -191,9 +196,9 @@ def test_shipped_smollm2_policy_loads_unchanged(tmp_path):
             {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{layer}.")}
         )
         assert torch.equal(policy(layer, keys, values, positions), agents(keys, values, positions))
-    policy.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["layer_indices"] == list(range(30))
-    assert load_file(str(tmp_path / "model.safetensors")).keys() == weights.keys()
+    policy.save_pretrained(tmp_path / "new")
+    assert json.loads((tmp_path / "new" / "config.json").read_text())["layer_indices"] == list(range(30))
+    assert load_file(str(tmp_path / "new" / "model.safetensors")).keys() == weights.keys()
 
 
 def test_traces_without_layer_indices_hold_every_layer(tmp_path):

@@ -500,15 +500,15 @@ def test_fit_split_across_two_processes_matches_one(tmp_path):
 def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     from train import reproduce
 
-    collects = reproduce.collect_configs(tmp_path)
-    for config in collects:
-        config.validate()
-        assert config.task_future == "greedy" and not config.only_correct  # the shipped traces' futures
-    assert [c.val_name for c in collects] == ["val", "val_2x", "val_synthetic"]
-    assert [c.ruler_split for c in collects] == ["train", "val", "val"]
-    config = reproduce.fit_config(tmp_path, tmp_path / "fit", "listnet")
+    config = reproduce.collect_config(tmp_path)
     config.validate()
-    assert (config.position_strategy, config.max_positions, config.steps) == ("scale", 128, 200)
+    assert (config.task_future, config.only_correct, config.ruler_split) == ("gold", True, "train")
+    assert config.context_tokens == (512, 4096) and config.future_tokens == (64, 256)
+    assert config.synthetic + config.synthetic_after + sum(config.windows.values()) == 460
+    fit_config = reproduce.fit_config(tmp_path, tmp_path / "fit")
+    fit_config.validate()
+    assert (fit_config.objective, fit_config.target) == ("listnet", "attention_evictable")
+    assert (fit_config.position_strategy, fit_config.max_positions, fit_config.steps) == ("scale", 128, 200)
     with pytest.raises(ValueError, match="windows: unknown corpus"):
         collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
 

@@ -2,77 +2,61 @@
 
 Runs, each step resumable (rerun the command after an interruption):
 
-1. collect: 28 synthetic RULER prompts (all tasks) + 28 essay windows, ~1K tokens, 15% held out;
-2. collect: 8 held-out prompts of ~2K tokens (twice the training length) for the position check,
-   and 7 more held-out synthetic prompts (RULER's ``val`` split), since the seeded split of step 1
-   held out mostly essay windows;
-3. fit: every layer, 200 steps of 8 traces (``--objective``: listnet, as shipped, or rl, the paper's
-   trainer, which needs far more data than this to win; docs/training_report.md);
-4. evaluate with both position strategies on the 2x-length split and keep the one with the lower
-   AUC there; then evaluate on the held-out split (recorded in the policy card) and on the
-   held-out synthetic split;
-5. with ``--ship``, copy the policy to ``kvp_cache/policies/smollm2-135m-instruct``.
+1. collect: 460 candidates, 8% held out (``val``), prompts log-uniform in 512-4096 tokens: text
+   windows (90 essays, 110 third-party Python code, 60 package docs, 40 dialogue turns) whose future
+   is their true continuation (64-256 tokens), and RULER ``niah_single``/``niah_multikey`` prompts
+   (100 with the question inside, 60 asked after) whose future is the gold answer, kept only where
+   the full cache answers correctly;
+2. fit: every layer, ListNet on the ``attention_evictable`` target (future attention with the
+   always-kept sinks and window left out), 200 steps of 8 traces;
+3. evaluate: eviction cost on ``val`` (recorded in the policy card), then the loss after compression
+   on the same held-out examples (``train downstream``, the number the recipe was chosen by);
+4. with ``--ship``, copy the policy to ``kvp_cache/policies/smollm2-135m-instruct``.
 
-About 15 minutes of collection, 5 of training and 8 of evaluation on 2 otherwise idle CPU cores
-(the shipped run took 35 + 6 + 8 minutes on 2 cores shared with four other jobs).
+The shipped run, one thread per step on 2 shared cores: 80 minutes of collection (17.6 GB of
+traces), 21 of fitting, ~12 of downstream evaluation (docs/training_report.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
-from kvp_cache.policy import POLICIES_DIR, load_policy
+from kvp_cache.policy import POLICIES_DIR
 from train.collect import CollectConfig, collect
+from train.downstream import DownstreamConfig, run_downstream
 from train.evaluate import EvaluateConfig, run_evaluation
 from train.fit import FitConfig, fit
 
 SHIPPED_NAME = "smollm2-135m-instruct"
-# The shipped policy's traces: the model's greedy answers as futures, every sample kept (the recipe
-# before teacher-forced gold answers; issue "a policy that generalizes" replaces it).
-SHIPPED_FUTURES = {"task_future": "greedy", "only_correct": False, "max_new_tokens": 32}
 
 
-def collect_configs(traces: Path) -> list[CollectConfig]:
-    """Steps 1-2: the training draw with its held-out share, then the two extra held-out splits."""
-    return [
-        CollectConfig(
-            str(traces), synthetic=28, windows={"essays": 28}, val_fraction=0.15, seed=0, **SHIPPED_FUTURES
-        ),
-        CollectConfig(
-            str(traces),
-            synthetic=4,
-            windows={"essays": 4},
-            context_tokens=(2048, 2048),
-            val_fraction=1.0,
-            val_name="val_2x",
-            query_scores="none",
-            ruler_split="val",
-            seed=1,
-            **SHIPPED_FUTURES,
-        ),
-        CollectConfig(
-            str(traces),
-            synthetic=7,
-            val_fraction=1.0,
-            val_name="val_synthetic",
-            ruler_split="val",
-            seed=2,
-            **SHIPPED_FUTURES,
-        ),
-    ]
+def collect_config(traces: Path) -> CollectConfig:
+    """Step 1: real text of four kinds plus needle tasks (question inside and after), one held-out split."""
+    return CollectConfig(
+        str(traces),
+        synthetic=100,
+        synthetic_after=60,
+        tasks=["niah_single", "niah_multikey"],
+        windows={"essays": 90, "code": 110, "docs": 60, "dialogue": 40},
+        context_tokens=(512, 4096),
+        future_tokens=(64, 256),
+        max_new_tokens=48,
+        val_fraction=0.08,
+        shard_size=8,
+        seed=0,
+    )
 
 
-def fit_config(traces: Path, out: Path, objective: str) -> FitConfig:
-    """Step 3. A 128-row position table read with "scale" (relative positions): each row sees ~8-9
-    tokens of every training prompt, where a 1024-row absolute table learned too slowly from 47
-    traces (docs/training_report.md)."""
+def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig:
+    """Step 2. A 128-row position table read with "scale" (relative positions), so prompts of any
+    length share it (docs/training_report.md compares it with absolute positions)."""
     return FitConfig(
         str(traces),
         str(out),
         objective=objective,
+        target="attention_evictable",
         steps=200,
         batch_size=8,
         eval_every=25,
@@ -83,29 +67,8 @@ def fit_config(traces: Path, out: Path, objective: str) -> FitConfig:
     )
 
 
-def pick_position_strategy(traces: Path, policy_dir: Path, report: Path) -> str:
-    """Step 4a: score both strategies on the 2x-length split and store the better one in the policy."""
-    result = run_evaluation(
-        EvaluateConfig(
-            str(traces),
-            str(report),
-            split="val_2x",
-            policy=[str(policy_dir)],
-            position_strategies=["clamp", "scale"],
-        )
-    )
-    auc = {name: m["auc"] for name, m in result["methods"].items() if name.startswith("kvp")}
-    best = "scale" if auc.get("kvp[scale]", float("inf")) < auc["kvp"] else "clamp"
-    policy = load_policy(policy_dir)
-    policy.position_strategy = best
-    policy.training_info = {**policy.training_info, "position_strategy_auc_2x": auc}
-    policy.save_pretrained(policy_dir)
-    print(f"position strategy on 2x-length prompts (AUC / oracle): {json.dumps(auc)} -> {best}")
-    return best
-
-
 def ship(policy_dir: Path) -> None:
-    """Step 5: copy the policy into the package."""
+    """Step 4: copy the policy into the package."""
     target = POLICIES_DIR / SHIPPED_NAME
     target.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "README.md"):
@@ -116,16 +79,14 @@ def ship(policy_dir: Path) -> None:
 def reproduce_command(args: argparse.Namespace) -> None:
     run_dir, report = Path(args.run_dir), Path(args.report_dir)
     traces, fit_dir = run_dir / "traces", run_dir / "fit"
-    for config in collect_configs(traces):
-        collect(config)
+    collect(collect_config(traces))
     policy_dir = fit(fit_config(traces, fit_dir, args.objective))
     report.mkdir(parents=True, exist_ok=True)
     shutil.copy(fit_dir / "training_curves.png", report / "training_curves.png")
-    pick_position_strategy(traces, policy_dir, report)
     run_evaluation(
         EvaluateConfig(str(traces), str(report), split="val", policy=[str(policy_dir)], record=True)
     )
-    run_evaluation(EvaluateConfig(str(traces), str(report), split="val_synthetic", policy=[str(policy_dir)]))
+    run_downstream(DownstreamConfig(str(traces), str(report), policy=[f"kvp={policy_dir}"]))
     if args.ship:
         ship(policy_dir)
 
