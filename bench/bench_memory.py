@@ -9,8 +9,8 @@ One prompt of ``max(--lengths)`` tokens (BOS + the Paul Graham essays, ``../shar
 the repository) is prefilled once into a ``DynamicCache``, ``--chunk`` tokens per forward so the
 attention scores of one forward stay small (a forward over 32K tokens at once would materialize
 [heads, 32K, 32K] scores on CPU). When the prefill reaches each length, the cache is copied, and for
-each budget ``KVPCache.from_prefill`` compresses the copy with ``knorm`` (the bytes do not depend on
-the method). Bytes are read off the tensors the caches hold (``KVPCache.kv_bytes()`` counts its
+each budget ``KVPCache.from_prefill`` compresses the copy with the KVP policy shipped for the model
+(``--policy`` for another; its sha256 goes in the JSON's provenance). Bytes are read off the tensors the caches hold (``KVPCache.kv_bytes()`` counts its
 per-slot metadata too): the sliding-window layers keep their last ``window - 1`` tokens whatever
 the context, the global layers keep every token in a ``DynamicCache`` and ``ceil(budget x n)`` in a
 ``KVPCache``, so at long contexts the global layers dominate and the savings show there.
@@ -34,8 +34,9 @@ from kvp_cache import KVPCache, ruler
 from kvp_cache.budget import validate_budget
 from kvp_cache.cache import layer_bytes
 from kvp_cache.compat import cache_kwarg, text_config
-from kvp_cache.demo import DEFAULT_ESSAYS
+from kvp_cache.demo import DEFAULT_ESSAYS, default_policy
 from kvp_cache.models import MODELS, load_model
+from kvp_cache.policy import KVPolicy, load_policy
 from kvp_cache.prefill import Prefill
 from kvp_cache.provenance import provenance
 
@@ -73,7 +74,9 @@ def essay_ids(tokenizer, tokens: int) -> torch.Tensor:
     return torch.cat([torch.tensor([tokenizer.bos_token_id]), body])[:tokens][None]
 
 
-def measure(model, tokenizer, lengths: list[int], budgets: list[float], chunk: int) -> list[Row]:
+def measure(
+    model, tokenizer, policy: KVPolicy, lengths: list[int], budgets: list[float], chunk: int
+) -> list[Row]:
     input_ids = essay_ids(tokenizer, max(lengths))
     cache = DynamicCache(config=text_config(model.config))
     rows, start, seen = [], time.perf_counter(), 0
@@ -88,12 +91,12 @@ def measure(model, tokenizer, lengths: list[int], budgets: list[float], chunk: i
             prefilled = Prefill(
                 copy.deepcopy(cache), {}, input_ids[:, :length], None, out.logits[:, -1].float()
             )
-            rows += [compress(model, prefilled, budget, seconds) for budget in budgets]
+            rows += [compress(model, prefilled, policy, budget, seconds) for budget in budgets]
     return rows
 
 
-def compress(model, prefilled: Prefill, budget: float, seconds: float) -> Row:
-    kvp = KVPCache.from_prefill(prefilled, model, method="knorm", budget=budget)
+def compress(model, prefilled: Prefill, policy: KVPolicy, budget: float, seconds: float) -> Row:
+    kvp = KVPCache.from_prefill(prefilled, model, method="kvp", policy=policy, budget=budget)
     evicting = {layer.layer_idx for layer in kvp.evicting_layers}
     full = [layer_bytes(layer) for layer in prefilled.cache.layers]
     compressed = [layer_bytes(layer) for layer in kvp.layers]
@@ -138,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     parser.add_argument("--chunk", type=int, default=1024, help="prefill tokens per forward (default 1024)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the box is shared)")
+    parser.add_argument(
+        "--policy", help="KVP policy (shipped name, directory, Hub id); default: shipped for --model"
+    )
     parser.add_argument("--json", type=Path, help="write the provenance and every row here")
     args = parser.parse_args(argv)
     for length in args.lengths:
@@ -151,8 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     limit = text_config(model.config).max_position_embeddings
     if max(args.lengths) > limit:
         parser.error(f"--lengths must be <= {limit} (the model's context), got {max(args.lengths)}")
-    record = {"provenance": provenance(args.model, model.dtype, model.device, command=sys.argv)}
-    rows = measure(model, tokenizer, args.lengths, budgets, args.chunk)
+    policy = load_policy(args.policy or default_policy(MODELS[args.model].model_id))
+    record = {"provenance": provenance(args.model, model.dtype, model.device, policy, command=sys.argv)}
+    rows = measure(model, tokenizer, policy, args.lengths, budgets, args.chunk)
     print(format_table(rows))
     if args.json:
         record["rows"] = [asdict(r) | {"ratio": r.ratio, "global_share": r.global_share} for r in rows]
