@@ -10,10 +10,11 @@ the repository) is prefilled once into a ``DynamicCache``, ``--chunk`` tokens pe
 attention scores of one forward stay small (a forward over 32K tokens at once would materialize
 [heads, 32K, 32K] scores on CPU). When the prefill reaches each length, the cache is copied, and for
 each budget ``KVPCache.from_prefill`` compresses the copy with the KVP policy shipped for the model
-(``--policy`` for another; its sha256 goes in the JSON's provenance). Bytes are read off the tensors the caches hold (``KVPCache.kv_bytes()`` counts its
-per-slot metadata too): the sliding-window layers keep their last ``window - 1`` tokens whatever
-the context, the global layers keep every token in a ``DynamicCache`` and ``ceil(budget x n)`` in a
-``KVPCache``, so at long contexts the global layers dominate and the savings show there.
+(``--policy`` for another; its sha256 goes in the JSON's provenance). Bytes are read off the tensors
+the caches hold (``KVPCache.kv_bytes()`` counts its per-slot metadata too): the sliding-window
+layers keep their last ``window - 1`` tokens whatever the context, the global layers keep every
+token in a ``DynamicCache`` and ``ceil(budget x n)`` in a ``KVPCache``, so at long contexts the
+global layers dominate and the savings show there.
 """
 
 from __future__ import annotations

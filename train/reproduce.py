@@ -93,7 +93,7 @@ def reproduce_command(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default="runs/smollm2", help="traces/ and fit/ go here")
-    parser.add_argument("--report-dir", default="docs", help="evaluation tables and figures")
+    parser.add_argument("--report-dir", default="docs/smollm2", help="evaluation tables and figures")
     parser.add_argument(
         "--objective", default="listnet", help="fit objective: listnet (shipped) or rl (the paper's trainer)"
     )
