@@ -60,6 +60,21 @@ def test_collect_matches_brute_force_attention(traces, llama):
     assert TraceSplit(root, "train").layer(0)[0].scores == {}
 
 
+def test_joined_splits_read_as_one(traces):
+    root, splits = traces
+    joined = TraceSplit(root, "train+val")
+    assert [s["uid"] for s in joined.samples] == [e.uid for e in splits["train"] + splits["val"]]
+    assert len(joined.layer(0)) == 5
+    with pytest.raises(FileNotFoundError, match="extra"):
+        TraceSplit(root, "train+extra")
+    meta_file = next((root / "val").glob("shard_*")) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["model"] = {**meta["model"], "num_layers": 99}
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="mixes models"):
+        TraceSplit(root, "train+val")
+
+
 def test_collect_resumes_and_generates(tmp_path, llama):
     splits = {"train": random_examples(3, 0, future=False)}
     collect.write_traces(llama, tmp_path, splits, set(), shard_size=2, max_new_tokens=3, settings={"t": 1})
@@ -154,6 +169,10 @@ def test_corpora_refuse_held_out_text():
     assert code and sum(map(len, code)) >= 50_000
     assert code == corpora.documents("code", seed=0, max_chars=50_000)
     assert corpora.documents("docs", seed=0, max_chars=10_000)
+    native = corpora.code_files(corpora.NATIVE_SUFFIXES)
+    assert native and not any(is_held_out(path) or path.suffix == ".py" for path in native)
+    assert not any(p in path.parents for p in installed for path in native)
+    assert corpora.documents("native_code", seed=0, max_chars=20_000)
     with pytest.raises(ValueError, match="corpus must be one of"):
         corpora.documents("stdlib", seed=0)
 

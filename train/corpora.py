@@ -2,6 +2,8 @@
 
 - ``essays``: the Paul Graham essays in ``../shared/data/pg_essays`` (prose);
 - ``code``: Python source of the third-party packages installed in this environment (site-packages);
+- ``native_code``: their C, C++, CUDA, Cython and JavaScript source, taken round-robin over packages
+  (one package's headers would otherwise be nearly all of it);
 - ``docs``: the long descriptions (READMEs) of the installed distributions (documentation);
 - ``dialogue``: the English conversations of the ``chatterbot-corpus`` package.
 
@@ -32,16 +34,23 @@ def site_packages() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
-def code_files() -> list[Path]:
-    """Third-party ``*.py`` files of site-packages, sorted, without the held-out packages."""
+NATIVE_SUFFIXES = (".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".cuh", ".pyx", ".pxd", ".js")
+
+
+def code_files(suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
+    """Third-party source files of site-packages with these suffixes, sorted, without the held-out
+    packages."""
     root = site_packages()
     packages = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".dist-info"))
     return [
         path
         for package in packages
         if package.name != "__pycache__" and not is_held_out(package)
-        for path in sorted(package.rglob("*.py"))
-        if "__pycache__" not in path.parts and MIN_DOCUMENT_CHARS <= path.stat().st_size <= MAX_FILE_BYTES
+        for path in sorted(package.rglob("*"))
+        if path.suffix in suffixes
+        and path.is_file()
+        and "__pycache__" not in path.parts
+        and MIN_DOCUMENT_CHARS <= path.stat().st_size <= MAX_FILE_BYTES
     ]
 
 
@@ -58,6 +67,18 @@ def code(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> l
     if not files:
         raise FileNotFoundError(f"no third-party Python source under {site_packages()}")
     return _read(files, rng, max_chars)
+
+
+def native_code(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+    by_package: dict[str, list[Path]] = {}
+    for path in code_files(NATIVE_SUFFIXES):
+        by_package.setdefault(path.relative_to(site_packages()).parts[0], []).append(path)
+    if not by_package:
+        raise FileNotFoundError(f"no third-party C/C++/CUDA/Cython/JavaScript source under {site_packages()}")
+    queues = [rng.sample(files, len(files)) for _, files in sorted(by_package.items())]
+    rng.shuffle(queues)
+    round_robin = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
+    return _read(round_robin, None, max_chars)
 
 
 def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
@@ -95,6 +116,7 @@ def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None) 
 CORPORA: dict[str, Callable[[str | Path, random.Random, int | None], list[str]]] = {
     "essays": essays,
     "code": code,
+    "native_code": native_code,
     "docs": docs,
     "dialogue": dialogue,
 }
@@ -107,9 +129,11 @@ def documents(name: str, seed: int, max_chars: int | None = None, essays_dir: st
     return CORPORA[name](essays_dir, random.Random(f"{name}/{seed}"), max_chars)
 
 
-def _read(files: list[Path], rng: random.Random, max_chars: int | None) -> list[str]:
+def _read(files: list[Path], rng: random.Random | None, max_chars: int | None) -> list[str]:
+    """Read ``files`` in a seeded shuffle (``rng``) or in their order (None) up to ``max_chars``."""
     order = list(files)
-    rng.shuffle(order)
+    if rng is not None:
+        rng.shuffle(order)
     texts, total = [], 0
     for path in order:
         if max_chars is not None and total >= max_chars:

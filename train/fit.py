@@ -386,8 +386,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--init-from", default=None, help="start from this policy's weights (dir or shipped name)"
     )
     parser.add_argument("--layers", type=int, nargs="*", default=None, help="train only these layers")
-    parser.add_argument("--train-split", default=defaults.train_split)
-    parser.add_argument("--val-split", default=defaults.val_split)
+    joined = "a split name, or several joined with '+' (train+train_native)"
+    parser.add_argument("--train-split", default=defaults.train_split, help=joined)
+    parser.add_argument("--val-split", default=defaults.val_split, help=joined)
     parser.add_argument("--threads", type=int, default=2)
 
 

@@ -82,20 +82,28 @@ class LayerSample:
 
 
 class TraceSplit:
-    """The finished shards of one split, e.g. ``TraceSplit("runs/smollm2", "val")``."""
+    """The finished shards of one split, e.g. ``TraceSplit("runs/smollm2", "val")``. Splits joined
+    with ``+`` read as one (``"train+train_native"``: a collection topped up under another name)."""
 
     def __init__(self, root: str | Path, split: str):
-        self.dir = Path(root) / split
-        done = sorted(p for p in self.dir.glob("shard_*") if shard_done(p)) if self.dir.is_dir() else []
+        self.dirs = [Path(root) / name for name in split.split("+")]
+        done = [p for d in self.dirs if d.is_dir() for p in sorted(d.glob("shard_*")) if shard_done(p)]
         metas = [json.loads((s / "meta.json").read_text()) for s in done]
         self.skipped = [s for m in metas for s in m.get("skipped", [])]
         self.shards = [s for s, m in zip(done, metas, strict=True) if m["samples"]]
         self.metas = [m for m in metas if m["samples"]]
-        if not self.shards:
+        empty = [str(d) for d in self.dirs if not any(s.parent == d for s in self.shards)]
+        if empty:
             raise FileNotFoundError(
-                f"no finished shards with samples under {self.dir}; run `python -m train collect` first"
+                f"no finished shards with samples under {', '.join(empty)}; run `python -m train collect` first"
             )
         self.model = self.metas[0]["model"]
+        for shard, meta in zip(self.shards, self.metas, strict=True):
+            if meta["model"] != self.model:
+                raise ValueError(
+                    f"split {split!r} mixes models: {shard} traced {meta['model']}, "
+                    f"{self.shards[0]} traced {self.model}"
+                )
         self.layer_indices = traced_layers(self.model)
 
     @property
