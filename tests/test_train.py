@@ -69,6 +69,10 @@ def test_joined_splits_read_as_one(traces):
         TraceSplit(root, "train+extra")
     meta_file = next((root / "val").glob("shard_*")) / "meta.json"
     meta = json.loads(meta_file.read_text())
+    assert "layer_indices" in meta["model"]
+    old_format = {k: v for k, v in meta["model"].items() if k != "layer_indices"}  # traced every layer
+    meta_file.write_text(json.dumps(meta | {"model": old_format}))
+    assert len(TraceSplit(root, "train+val")) == 5
     meta["model"] = {**meta["model"], "num_layers": 99}
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="mixes models"):

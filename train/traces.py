@@ -50,6 +50,12 @@ def traced_layers(model: dict) -> list[int]:
     return model.get("layer_indices", list(range(model["num_layers"])))
 
 
+def same_traced_model(a: dict, b: dict) -> bool:
+    """Whether two metadata ``model`` records trace the same model and layers (one may predate
+    ``layer_indices``)."""
+    return a | {"layer_indices": traced_layers(a)} == b | {"layer_indices": traced_layers(b)}
+
+
 def write_shard(shard: Path, per_layer: list[dict[str, list[torch.Tensor]]], meta: dict) -> None:
     """Write one shard. ``per_layer[i][name]`` is a list over samples of ``[kv_heads, n_i, ...]`` of
     the ``i``-th traced layer (:func:`traced_layers` of ``meta["model"]``)."""
@@ -99,7 +105,7 @@ class TraceSplit:
             )
         self.model = self.metas[0]["model"]
         for shard, meta in zip(self.shards, self.metas, strict=True):
-            if meta["model"] != self.model:
+            if not same_traced_model(meta["model"], self.model):
                 raise ValueError(
                     f"split {split!r} mixes models: {shard} traced {meta['model']}, "
                     f"{self.shards[0]} traced {self.model}"
