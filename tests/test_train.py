@@ -523,15 +523,22 @@ def test_fit_split_across_two_processes_matches_one(tmp_path):
 def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     from train import reproduce
 
-    config = reproduce.collect_config(tmp_path)
-    config.validate()
-    assert (config.task_future, config.only_correct, config.ruler_split) == ("gold", True, "train")
-    assert config.context_tokens == (512, 4096) and config.future_tokens == (64, 256)
-    assert config.synthetic + config.synthetic_after + sum(config.windows.values()) == 460
+    main, native = reproduce.collect_configs(tmp_path)
+    for config in (main, native):
+        config.validate()
+        assert (config.task_future, config.only_correct, config.ruler_split) == ("gold", True, "train")
+        assert config.context_tokens == (512, 4096) and config.future_tokens == (64, 256)
+    assert main.synthetic + main.synthetic_after + sum(main.windows.values()) == 460
+    assert native.windows == {"native_code": 110} and native.seed != main.seed
+    splits = {main.train_name, main.val_name, native.train_name, native.val_name}
+    assert len(splits) == 4  # the second collection never resumes into the first one's shards
     fit_config = reproduce.fit_config(tmp_path, tmp_path / "fit")
     fit_config.validate()
     assert (fit_config.objective, fit_config.target) == ("listnet", "attention_evictable")
     assert (fit_config.position_strategy, fit_config.max_positions, fit_config.steps) == ("scale", 128, 200)
+    assert fit_config.hidden_dim == 64
+    assert fit_config.train_split.split("+") == [main.train_name, native.train_name]
+    assert fit_config.val_split.split("+") == [main.val_name, native.val_name]
     with pytest.raises(ValueError, match="windows: unknown corpus"):
         collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
 
