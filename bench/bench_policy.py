@@ -6,14 +6,17 @@ as ``KVPCache`` does after a prefill. Prefill and scoring alternate in every rep
 machine slows both alike; the medians are printed with their ratio, plus parameter count and
 weights size (fp32, and the saved model.safetensors).
 
-    .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 64
+    .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 64 \
+        [--json bench/results/policy_smollm2.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +28,7 @@ from transformers import DynamicCache
 from kvp_cache.agents import POSITION_STRATEGIES
 from kvp_cache.models import load_model
 from kvp_cache.policy import KVPolicy
+from kvp_cache.provenance import provenance
 
 
 def parse_args() -> argparse.Namespace:
@@ -37,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--position-strategy", choices=sorted(POSITION_STRATEGIES), default="clamp")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    parser.add_argument("--json", type=Path, help="write the provenance, settings and every row here")
     args = parser.parse_args()
     for name in ("context_tokens", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -109,13 +114,33 @@ def main() -> None:
     print(
         f"{'hidden_dim':>10} {'params':>10} {'fp32 MB':>8} {'file MB':>8} {'policy ms':>10} {'policy/prefill':>15}"
     )
+    rows = []
     for hidden, policy in policies.items():
         params = policy.num_parameters()
         policy_s = statistics.median(policy_times[hidden])
+        rows.append(
+            {
+                "hidden_dim": hidden,
+                "parameters": params,
+                "file_bytes": saved_size(policy),
+                "policy_ms": policy_s * 1e3,
+                "policy_over_prefill": policy_s / prefill_s,
+            }
+        )
         print(
-            f"{hidden:>10} {params:>10,} {params * 4 / 1e6:>8.2f} {saved_size(policy) / 1e6:>8.2f} "
+            f"{hidden:>10} {params:>10,} {params * 4 / 1e6:>8.2f} {rows[-1]['file_bytes'] / 1e6:>8.2f} "
             f"{policy_s * 1e3:>10.1f} {policy_s / prefill_s:>14.2%}"
         )
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        record = {
+            "provenance": provenance("smollm2", model.dtype, model.device, None, command=sys.argv),
+            "settings": settings | {"prefill_ms": prefill_s * 1e3, "load_average": os.getloadavg()[0]},
+            "rows": rows,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2))
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":
