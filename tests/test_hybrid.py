@@ -191,7 +191,10 @@ def test_policy_saved_before_layer_indices_loads_unchanged(tmp_path):
     keys, values = torch.randn(1, 3, 50, 64, generator=g), torch.randn(1, 3, 50, 64, generator=g)
     positions = torch.arange(50)[None]
     for layer in (0, 17, 29):
-        agents = HeadAgents(3, 64, 32, 8, 128, 2, "scale")
+        agents = HeadAgents(
+            config["num_kv_heads"], config["head_dim"], config["hidden_dim"], config["pos_dim"],
+            config["max_positions"], config["num_mlp_layers"], config["position_strategy"],
+        )  # fmt: skip
         agents.load_state_dict(
             {k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{layer}.")}
         )
