@@ -75,7 +75,7 @@ VAL_SPLITS = ("val", "val_native")
 
 def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig:
     """Step 2. A 128-row position table read with "scale" (relative positions), so prompts of any
-    length share it; 64 hidden units (1.7% of a 4K prefill to score, ``bench/bench_policy.py``)."""
+    length share it; 64 hidden units (1.6% of a 4K prefill to score, bench/results/policy_smollm2.json)."""
     return FitConfig(
         str(traces),
         str(out),
