@@ -1,12 +1,13 @@
 """Cost of the KVP policy next to the prefill it compresses, and the size of its weights.
 
 Prefills SmolLM2-135M-Instruct on ``--context-tokens`` tokens, then scores every KV head of every
-layer of that prefill's cache with a (randomly initialised) ``KVPolicy`` of each requested size,
-as ``KVPCache`` does after a prefill. Prefill and scoring alternate in every repeat, so a busy
+layer of that prefill's cache, as ``KVPCache`` does after a prefill, with the trained ``--policy``
+(default: the one shipped for SmolLM2; its sha256 goes in the JSON's provenance) and with a randomly
+initialised ``KVPolicy`` of each ``--hidden-dim`` (the cost depends on the shape, not the weights). Prefill and scoring alternate in every repeat, so a busy
 machine slows both alike; the medians are printed with their ratio, plus parameter count and
 weights size (fp32, and the saved model.safetensors).
 
-    .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 64 \
+    .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 \
         [--json bench/results/policy_smollm2.json]
 """
 
@@ -26,15 +27,21 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvp_cache.agents import POSITION_STRATEGIES
-from kvp_cache.models import load_model
-from kvp_cache.policy import KVPolicy
+from kvp_cache.demo import default_policy
+from kvp_cache.models import MODELS, load_model
+from kvp_cache.policy import KVPolicy, load_policy
 from kvp_cache.provenance import provenance
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context-tokens", type=int, default=4096, help="prompt length (default 4096)")
-    parser.add_argument("--hidden-dim", type=int, nargs="+", default=[32], help="one or more agent widths")
+    parser.add_argument(
+        "--policy", help="trained policy (shipped name, directory, Hub id); default: SmolLM2's"
+    )
+    parser.add_argument(
+        "--hidden-dim", type=int, nargs="*", default=[32], help="widths of randomly initialised agents"
+    )
     parser.add_argument("--pos-dim", type=int, default=8)
     parser.add_argument("--max-positions", type=int, default=1024)
     parser.add_argument("--num-mlp-layers", type=int, default=2)
@@ -77,8 +84,9 @@ def main() -> None:
     cache = prefill()  # warm-up, and the keys/values every policy scores
     states = [(layer.keys, layer.values) for layer in cache.layers]
     positions = torch.arange(args.context_tokens)[None, :]
-    policies = {
-        hidden: KVPolicy.for_model(
+    trained = load_policy(args.policy or default_policy(MODELS["smollm2"].model_id)).eval()
+    policies = {f"trained ({trained.hidden_dim})": trained} | {
+        f"random ({hidden})": KVPolicy.for_model(
             model,
             hidden_dim=hidden,
             pos_dim=args.pos_dim,
@@ -96,31 +104,32 @@ def main() -> None:
 
     for policy in policies.values():
         score_all(policy)  # warm-up
-    prefill_times, policy_times = [], {hidden: [] for hidden in policies}
+    prefill_times, policy_times = [], {label: [] for label in policies}
     for _ in tqdm(range(args.repeats), desc="repeats"):
         prefill_times.append(timed(prefill))
-        for hidden, policy in policies.items():
-            policy_times[hidden].append(timed(lambda policy=policy: score_all(policy)))
+        for label, policy in policies.items():
+            policy_times[label].append(timed(lambda policy=policy: score_all(policy)))
 
     prefill_s = statistics.median(prefill_times)
     heads = model.config.num_hidden_layers * model.config.num_key_value_heads
     print(
         f"SmolLM2-135M, {args.context_tokens} tokens, {args.threads} threads, {args.repeats} repeats (medians); "
         f"prefill {prefill_s * 1e3:.0f} ms; policy scores all {heads} KV heads; "
-        f"pos_dim {args.pos_dim}, max_positions {args.max_positions}, num_mlp_layers {args.num_mlp_layers}, "
-        f"position_strategy {args.position_strategy}; load average {os.getloadavg()[0]:.1f} "
+        f"random agents: pos_dim {args.pos_dim}, max_positions {args.max_positions}, num_mlp_layers "
+        f"{args.num_mlp_layers}, position_strategy {args.position_strategy}; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} CPUs (other work on the machine slows both sides)"
     )
     print(
-        f"{'hidden_dim':>10} {'params':>10} {'fp32 MB':>8} {'file MB':>8} {'policy ms':>10} {'policy/prefill':>15}"
+        f"{'policy':>14} {'params':>10} {'fp32 MB':>8} {'file MB':>8} {'policy ms':>10} {'policy/prefill':>15}"
     )
     rows = []
-    for hidden, policy in policies.items():
+    for label, policy in policies.items():
         params = policy.num_parameters()
-        policy_s = statistics.median(policy_times[hidden])
+        policy_s = statistics.median(policy_times[label])
         rows.append(
             {
-                "hidden_dim": hidden,
+                "policy": label,
+                "hidden_dim": policy.hidden_dim,
                 "parameters": params,
                 "file_bytes": saved_size(policy),
                 "policy_ms": policy_s * 1e3,
@@ -128,13 +137,13 @@ def main() -> None:
             }
         )
         print(
-            f"{hidden:>10} {params:>10,} {params * 4 / 1e6:>8.2f} {rows[-1]['file_bytes'] / 1e6:>8.2f} "
+            f"{label:>14} {params:>10,} {params * 4 / 1e6:>8.2f} {rows[-1]['file_bytes'] / 1e6:>8.2f} "
             f"{policy_s * 1e3:>10.1f} {policy_s / prefill_s:>14.2%}"
         )
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         record = {
-            "provenance": provenance("smollm2", model.dtype, model.device, None, command=sys.argv),
+            "provenance": provenance("smollm2", model.dtype, model.device, trained, command=sys.argv),
             "settings": settings | {"prefill_ms": prefill_s * 1e3, "load_average": os.getloadavg()[0]},
             "rows": rows,
         }

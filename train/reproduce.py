@@ -69,13 +69,11 @@ def collect_configs(traces: Path) -> list[CollectConfig]:
     ]
 
 
-TRAIN_SPLITS = "train+train_native"
-VAL_SPLITS = ("val", "val_native")
-
-
 def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig:
     """Step 2. A 128-row position table read with "scale" (relative positions), so prompts of any
-    length share it; 64 hidden units (1.6% of a 4K prefill to score, bench/results/policy_smollm2.json)."""
+    length share it; 64 hidden units (1.6% of a 4K prefill to score, bench/results/policy_smollm2.json).
+    It trains on every collection's training split and validates on their held-out splits."""
+    collections = collect_configs(traces)
     return FitConfig(
         str(traces),
         str(out),
@@ -89,8 +87,8 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig
         position_strategy="scale",
         max_positions=128,
         hidden_dim=64,
-        train_split=TRAIN_SPLITS,
-        val_split="+".join(VAL_SPLITS),
+        train_split="+".join(c.train_name for c in collections),
+        val_split="+".join(c.val_name for c in collections),
     )
 
 
@@ -106,17 +104,19 @@ def ship(policy_dir: Path) -> None:
 def reproduce_command(args: argparse.Namespace) -> None:
     run_dir, report = Path(args.run_dir), Path(args.report_dir)
     traces, fit_dir = run_dir / "traces", run_dir / "fit"
-    for config in collect_configs(traces):
+    collections = collect_configs(traces)
+    for config in collections:
         collect(config)
     policy_dir = fit(fit_config(traces, fit_dir, args.objective))
     report.mkdir(parents=True, exist_ok=True)
     shutil.copy(fit_dir / "training_curves.png", report / "training_curves.png")
+    val_splits = [c.val_name for c in collections]
     run_evaluation(
         EvaluateConfig(
-            str(traces), str(report), split="+".join(VAL_SPLITS), policy=[str(policy_dir)], record=True
+            str(traces), str(report), split="+".join(val_splits), policy=[str(policy_dir)], record=True
         )
     )
-    for split in VAL_SPLITS:  # downstream rebuilds examples from one collection's settings
+    for split in val_splits:  # downstream rebuilds examples from one collection's settings
         run_downstream(DownstreamConfig(str(traces), str(report), split=split, policy=[f"kvp={policy_dir}"]))
     if args.ship:
         ship(policy_dir)
