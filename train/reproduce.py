@@ -71,7 +71,7 @@ def collect_configs(traces: Path) -> list[CollectConfig]:
 
 def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig:
     """Step 2. A 128-row position table read with "scale" (relative positions), so prompts of any
-    length share it; 64 hidden units (1.6% of a 4K prefill to score, bench/results/policy_smollm2.json).
+    length share it; 64 hidden units (1.7% of a 4K prefill to score, bench/results/policy_smollm2.json).
     It trains on every collection's training split and validates on their held-out splits."""
     collections = collect_configs(traces)
     return FitConfig(
