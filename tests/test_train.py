@@ -420,6 +420,11 @@ def test_targets_by_name():
     assert torch.equal(evictable[:, 4:24], importance[:, 4:24])
     with pytest.raises(ValueError, match="value_importance"):
         targets.target("value_attention", sample)
+    valued = LayerSample(
+        sample.keys, sample.values, importance, {}, "s/0", "s", value_importance=2 * importance
+    )
+    value_evictable = targets.target("value_attention_evictable", valued, sinks=4, window=16)
+    assert torch.equal(value_evictable, 2 * evictable)
     with pytest.raises(ValueError, match="target must be one of"):
         targets.target("loss", sample)
     with pytest.raises(ValueError, match="target must be one of"):

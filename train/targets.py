@@ -14,7 +14,8 @@ prompt) and ``G(h)`` the query heads that share KV head ``h``:
 - ``attention``: ``importance`` as stored (what the shipped policy was trained on);
 - ``attention_evictable``: the same with the always-kept sinks and window zeroed, so they leave both
   the target and its normalizer (they carry about half the mass, and the cache keeps them anyway);
-- ``value_attention``: ``value_importance``.
+- ``value_attention``: ``value_importance``;
+- ``value_attention_evictable``: ``value_importance`` with the sinks and window zeroed, as above.
 """
 
 from __future__ import annotations
@@ -83,11 +84,16 @@ def attention(sample: LayerSample, sinks: int, window: int) -> torch.Tensor:
     return sample.importance
 
 
-def attention_evictable(sample: LayerSample, sinks: int, window: int) -> torch.Tensor:
-    n = sample.importance.shape[-1]
+def evictable_only(importance: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """``importance`` ``[kv_heads, n]`` with the always-kept first ``sinks`` and last ``window`` zeroed."""
+    n = importance.shape[-1]
     evictable = torch.zeros(n, dtype=torch.bool)
     evictable[sinks : max(sinks, n - window)] = True
-    return sample.importance * evictable
+    return importance * evictable
+
+
+def attention_evictable(sample: LayerSample, sinks: int, window: int) -> torch.Tensor:
+    return evictable_only(sample.importance, sinks, window)
 
 
 def value_attention(sample: LayerSample, sinks: int, window: int) -> torch.Tensor:
@@ -99,10 +105,15 @@ def value_attention(sample: LayerSample, sinks: int, window: int) -> torch.Tenso
     return sample.value_importance
 
 
+def value_attention_evictable(sample: LayerSample, sinks: int, window: int) -> torch.Tensor:
+    return evictable_only(value_attention(sample, sinks, window), sinks, window)
+
+
 TARGETS: dict[str, Callable[[LayerSample, int, int], torch.Tensor]] = {
     "attention": attention,
     "attention_evictable": attention_evictable,
     "value_attention": value_attention,
+    "value_attention_evictable": value_attention_evictable,
 }
 
 
