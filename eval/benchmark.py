@@ -146,6 +146,12 @@ class BenchmarkConfig:
         return Fingerprint(digest(keys), policy_sha256, digest(legacy))
 
 
+def shard(out: Path, fingerprint: Fingerprint, *parts: object) -> Shard:
+    """The shard of cell ``parts`` (protocol, task or corpus, length) under ``out/shards``."""
+    fields = {"windows": realtext.WINDOWS} if parts[0] == PERPLEXITY else None
+    return Shard(Path(out) / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint, fields)
+
+
 def digest(keys: dict) -> str:
     return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -221,11 +227,14 @@ class Shard:
     """One cell's finished samples, one JSON line each (append-only; a torn last line is ignored).
 
     A sample's later line replaces its earlier ones: a top-up appends the whole merged record.
+    ``fields``: values every record read must carry (real text: the window placement,
+    :data:`eval.realtext.WINDOWS`); records without them are never read.
     """
 
-    def __init__(self, path: Path, fingerprint: Fingerprint):
+    def __init__(self, path: Path, fingerprint: Fingerprint, fields: dict | None = None):
         self.path = path
         self.fingerprint = fingerprint
+        self.fields = fields or {}
 
     def records(self) -> dict[int, dict]:
         """The latest record of each sample made under this fingerprint (or its legacy one, then
@@ -238,6 +247,8 @@ class Shard:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 continue  # an interrupted write
+            if any(record.get(key) != value for key, value in self.fields.items()):
+                continue
             if record.get("fingerprint") == self.fingerprint.legacy:
                 found[record["index"]] = {**record, "policy": self.fingerprint.policy}
             elif record.get("fingerprint") == self.fingerprint.config:
@@ -298,7 +309,7 @@ class Benchmark:
         self.haystack = ruler.load_haystack(config.essays_dir)
 
     def shard(self, *parts: object) -> Shard:
-        return Shard(self.out / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), self.fingerprint)
+        return shard(self.out, self.fingerprint, *parts)
 
     def run(self) -> None:
         """Screen the screened tasks, then every cell's samples round-robin (sample 0 of every cell,
@@ -405,13 +416,14 @@ class Benchmark:
                 return realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()
 
             return {
+                "windows": realtext.WINDOWS,
                 "nll": self.answers(
                     prefilled,
                     rows,
                     ids(continuation),
                     full=lambda: nll(copy.deepcopy(prefilled.cache))[0],
                     batch=lambda scorers, budget: nll(self.decoder.compressed(prefilled, scorers, budget)),
-                )
+                ),
             }
 
         return Cell(self.shard(PERPLEXITY, name, context), count, compute)
@@ -544,10 +556,9 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
 
     A sample is done when its latest record holds every row of ``config.grid()``, learned rows from
     ``fingerprint.policy``."""
-    shards = Path(out) / "shards"
 
     def records(*parts) -> dict[int, dict]:
-        return Shard(shards / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint).records()
+        return shard(out, fingerprint, *parts).records()
 
     rows, pending, excluded, seconds = [], [], [], {}
 

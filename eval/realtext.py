@@ -30,19 +30,39 @@ def corpus_tokens(name: str, tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+WINDOWS = "spread-slots"
+"""How :func:`windows` places windows. Benchmark text records carry it, and records made otherwise
+(before windows stopped depending on their count) are never read."""
+
+
+def spread_order(n: int) -> list[int]:
+    """``0 .. n-1`` in an order whose every prefix is spread evenly over the range (van der Corput:
+    0, n/2, n/4, 3n/4, ...)."""
+    bits = max(n - 1, 0).bit_length()
+    order: dict[int, None] = {}
+    for i in range(1 << bits):
+        reversed_i = int(format(i, f"0{bits}b")[::-1], 2) if bits else 0
+        order.setdefault(reversed_i * n >> bits, None)
+    return list(order)
+
+
 def windows(stream: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
-    """``count`` non-overlapping ``[1, length]`` windows of ``stream`` ``[tokens]``, evenly spread over it."""
+    """``count`` non-overlapping ``[1, length]`` windows of ``stream`` ``[tokens]``, spread over it.
+
+    The stream is cut into slots of ``length`` tokens taken in :func:`spread_order`, so window ``i``
+    does not depend on ``count``: raising the count adds windows and keeps the first ones (a resumed
+    benchmark tops its records up instead of mixing windows of two placements).
+    """
     if length < 2:
         raise ValueError(f"length must be >= 2 (a prefix and a continuation token), got {length}")
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
-    total = stream.shape[0]
-    if count * length > total:
+    slots = stream.shape[0] // length
+    if count > slots:
         raise ValueError(
-            f"the corpus has {total} tokens: too few for {count} windows of {length}; lower the count"
+            f"the corpus has {stream.shape[0]} tokens: too few for {count} windows of {length}; lower the count"
         )
-    stride = (total - length) // max(count - 1, 1)
-    return [stream[i * stride : i * stride + length][None] for i in range(count)]
+    return [stream[slot * length : (slot + 1) * length][None] for slot in spread_order(slots)[:count]]
 
 
 @torch.no_grad()

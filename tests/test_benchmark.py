@@ -461,16 +461,39 @@ def test_continuation_nll_is_the_full_forward_nll():
     assert not torch.allclose(realtext.continuation_nll(model, prefilled, compressed, continuation), full)
 
 
-def test_windows_are_disjoint_and_spread():
-    stream = torch.arange(1000)
+def test_windows_are_disjoint_spread_and_independent_of_their_count():
+    stream = torch.arange(1050)  # 10 slots of 100 tokens, 50 left over
     windows = realtext.windows(stream, 100, 4)
     starts = [int(w[0, 0]) for w in windows]
-    assert starts == [0, 300, 600, 900] and all(w.shape == (1, 100) for w in windows)
-    assert realtext.windows(stream, 100, 1)[0][0, 0] == 0
+    assert starts == [0, 500, 200, 700] and all(w.shape == (1, 100) for w in windows)
+    every = [int(w[0, 0]) for w in realtext.windows(stream, 100, 10)]
+    assert every[:4] == starts and sorted(every) == list(range(0, 1000, 100))
+    assert realtext.spread_order(1) == [0] and sorted(realtext.spread_order(37)) == list(range(37))
     with pytest.raises(ValueError, match="too few for 11 windows"):
         realtext.windows(stream, 100, 11)
     with pytest.raises(ValueError, match="length must be >= 2"):
         realtext.windows(stream, 1, 1)
+
+
+def test_more_text_windows_top_up_and_other_placements_are_never_read(tiny, tmp_path, fake_corpora, work):
+    model, tokenizer = tiny
+    options = dict(contexts=[], screened_tasks=[], corpora=["kjv"], methods=["knorm"], budgets=[0.5])
+    first = run(model, tokenizer, small_config(text_windows={96: 2}, **options), tmp_path)
+    work.clear()
+    more = small_config(text_windows={96: 3}, **options)
+    result = run(model, tokenizer, more, tmp_path)
+    assert work["prefill"] == 1  # only the new window
+    assert run(model, tokenizer, more, tmp_path / "scratch")["rows"] == result["rows"]
+    # Records of another window placement (without the marker) are never read.
+    shard = tmp_path / "shards" / PERPLEXITY / "kjv" / "96.jsonl"
+    lines = [json.loads(line) for line in shard.read_text().splitlines()]
+    shard.write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if k != "windows"}) + "\n" for r in lines)
+    )
+    pending = benchmark_result(more, tmp_path, more.fingerprint(None), {})["pending"]
+    assert first["pending"] == [] and pending == [
+        {"protocol": PERPLEXITY, "corpus": "kjv", "context_tokens": 96, "done": 0, "n": 3}
+    ]
 
 
 def test_held_out_text_is_refused(essays_dir):
