@@ -110,12 +110,31 @@ def load_model(
     transformers directory or Hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = available_device(device)
     offline = MODELS.get(name)
     path = offline.converted_dir() if offline is not None else name
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     if offline is not None:
         model.config.name_or_path = offline.model_id
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def available_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or a clear error before any model is loaded when it is not
+    a device name or this machine does not have it."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(
+            f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}"
+        ) from error
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise ValueError(
+                f"device {str(device)!r}: this machine has {count} CUDA device(s) that torch can use"
+            )
+    return device
 
 
 def plain_prompt(sample: Sample, tokenizer, question_in_context: bool = True) -> tuple[str, str]:

@@ -136,3 +136,15 @@ def test_good_schedules():
     model = tiny_model("llama")
     KVPCache(model, compress="first_prefill", max_cache_tokens=20, evict_every=1)
     KVPCache(model, method="lagkv", compress="first_prefill")
+
+
+@pytest.mark.parametrize(
+    "device, match",
+    [("gpu0", "must be a torch device"), ("cuda:99", "CUDA device"), (3.5, "must be a torch")],
+)
+def test_bad_device_is_refused_before_loading(device, match):
+    from kvp_cache.models import available_device, load_model
+
+    with pytest.raises(ValueError, match=match):
+        load_model("no/such-model", device=device)
+    assert available_device("cpu") == torch.device("cpu")

@@ -164,9 +164,13 @@ def greedy_continue(
     ``max_new_tokens``, or as soon as ``done(tokens)`` holds. The cache grows: pass a copy.
     """
     keyword = cache_kwarg(model)
+    device = logits.device
     if question_ids:
         out = model(
-            input_ids=torch.tensor([question_ids]), use_cache=True, logits_to_keep=1, **{keyword: cache}
+            input_ids=torch.tensor([question_ids], device=device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: cache},
         )
         logits = out.logits[0, -1]
     eos = model.generation_config.eos_token_id
@@ -177,7 +181,10 @@ def greedy_continue(
         if tokens[-1] in eos or len(tokens) == max_new_tokens or (done is not None and done(tokens)):
             return tokens
         out = model(
-            input_ids=torch.tensor([tokens[-1:]]), use_cache=True, logits_to_keep=1, **{keyword: cache}
+            input_ids=torch.tensor([tokens[-1:]], device=device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: cache},
         )
         logits = out.logits[0, -1]
 
@@ -204,14 +211,21 @@ def trace_example(
     tokenizer=None,
     only_correct: bool = True,
 ) -> Trace:
-    """Prefill, optionally answer greedily and check, then run the future over the prompt's cache."""
+    """Prefill, optionally answer greedily and check, then run the future over the prompt's cache.
+
+    Runs on the model's device; the trace's tensors come back on the CPU.
+    """
     n = len(example.prompt_ids)
+    device = next(model.parameters()).device
     cache = DynamicCache(config=text_config(model.config))
     keyword = cache_kwarg(model)
     capture_prompt = InputCapture(modules) if methods else contextlib.nullcontext()
     with capture_prompt:
         out = model(
-            input_ids=torch.tensor([example.prompt_ids]), use_cache=True, logits_to_keep=1, **{keyword: cache}
+            input_ids=torch.tensor([example.prompt_ids], device=device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{keyword: cache},
         )
     answer_ids, correct = None, None
     check = only_correct and example.sample is not None
@@ -237,8 +251,8 @@ def trace_example(
         raise ValueError(f"example {example.uid} has no future token")
     base = model.base_model
     with InputCapture(modules) as capture:
-        base(input_ids=torch.tensor([future]), use_cache=True, **{cache_kwarg(base): cache})
-    positions = torch.arange(n)[None]
+        base(input_ids=torch.tensor([future], device=device), use_cache=True, **{cache_kwarg(base): cache})
+    positions = torch.arange(n, device=device)[None]
     scorers = [(m, make_scorer(m)) for m in methods]
     layers = []
     for module in modules:
@@ -249,16 +263,16 @@ def trace_example(
         norms = value_output_norms(values[:, :n], module.o_proj.weight)
         importance, value_importance = future_attention(future_q, keys, n, module.scaling, norms)
         tensors = {
-            "keys": keys[:, :n].half(),
-            "values": values[:, :n].half(),
-            "importance": importance,
-            "value_importance": value_importance,
+            "keys": keys[:, :n].half().cpu(),
+            "values": values[:, :n].half().cpu(),
+            "importance": importance.cpu(),
+            "value_importance": value_importance.cpu(),
         }
         for name, scorer in scorers:
             hidden_p, cos_p, sin_p = capture_prompt.store[layer]
             q = queries_of(module, hidden_p, cos_p, sin_p, scorer.query_window)
             score = scorer.score(keys[None, :, :n], values[None, :, :n], positions, q, layer)[0]
-            tensors[f"score.{name}"] = score.float()
+            tensors[f"score.{name}"] = score.float().cpu()
         layers.append(tensors)
     return Trace(layers, len(future), answer_ids, correct)
 
@@ -324,12 +338,16 @@ def text_windows(config: CollectConfig, tokenizer, texts: list[str], count: int,
     )
 
 
-def collect(config: CollectConfig, model=None, tokenizer=None) -> Path:
-    """Build the examples, split them, and trace every split into ``config.out``; resumable."""
+def collect(config: CollectConfig, model=None, tokenizer=None, device: str = "cpu") -> Path:
+    """Build the examples, split them, and trace every split into ``config.out``; resumable.
+
+    device: where ``config.model`` runs when no ``model`` is given (the traces are the same on any
+    device up to float noise, so it is not part of the collection's settings).
+    """
     config.validate()
     torch.manual_seed(config.seed)
     if model is None:
-        model, tokenizer = load_model(config.model)
+        model, tokenizer = load_model(config.model, device=device)
     examples = build_examples(config, tokenizer, uses_chat(config.model, tokenizer))
     splits = data.split_examples(examples, config.val_fraction, config.seed)
     named = {config.train_name: splits["train"], config.val_name: splits["val"]}
@@ -536,6 +554,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, ...")
 
 
 def config_from_args(args: argparse.Namespace) -> CollectConfig:
@@ -550,4 +569,4 @@ def config_from_args(args: argparse.Namespace) -> CollectConfig:
 
 
 def collect_command(args: argparse.Namespace) -> Path:
-    return collect(config_from_args(args))
+    return collect(config_from_args(args), device=args.device)

@@ -36,7 +36,8 @@ def future_attention(
     value_norms: torch.Tensor | None = None,
     chunk: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(importance, value_importance)`` of the prompt tokens, each ``[kv_heads, prompt_len]`` float32.
+    """``(importance, value_importance)`` of the prompt tokens, each ``[kv_heads, prompt_len]`` float32
+    on the keys' device.
 
     queries: ``[q_heads, F, d]`` post-RoPE queries at positions ``T - F .. T - 1``;
     keys: ``[kv_heads, T, d]`` post-RoPE keys of prompt + future;
@@ -50,12 +51,12 @@ def future_attention(
     grouped = queries.float().view(kv_heads, group, future, d)
     keys = keys.float()
     weights = None if value_norms is None else value_norms.float().view(kv_heads, group, 1, prompt_len)
-    importance = torch.zeros(kv_heads, prompt_len)
-    value_importance = None if weights is None else torch.zeros(kv_heads, prompt_len)
-    key_pos = torch.arange(total)
+    importance = torch.zeros(kv_heads, prompt_len, device=keys.device)
+    value_importance = None if weights is None else torch.zeros_like(importance)
+    key_pos = torch.arange(total, device=keys.device)
     for start in range(0, future, chunk):
         q = grouped[:, :, start : start + chunk]
-        query_pos = torch.arange(q.shape[2]) + (total - future + start)
+        query_pos = torch.arange(q.shape[2], device=keys.device) + (total - future + start)
         logits = torch.einsum("hgfd,htd->hgft", q, keys) * scaling
         logits = logits.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
         attention = logits.softmax(-1)[..., :prompt_len]  # [kv_heads, group, chunk, prompt_len]
