@@ -200,7 +200,14 @@ def report_markdown(result: dict) -> str:
     pending = result["pending"]
     lines = section_tables(result, pooled_only=False) + excluded_lines(result) + cost_lines(result)
     if pending:
-        lines.append(pending_line(result))
+        cells = [
+            [
+                f"{c['protocol']}/{c.get('task', c.get('corpus'))}/{c['context_tokens']}",
+                f"{c['done']} of {c['n']}",
+            ]
+            for c in pending
+        ]
+        lines += [pending_line(result), "", markdown_table(["unfinished cell", "samples done"], cells)]
     return "\n".join(lines) + "\n"
 
 
@@ -231,7 +238,29 @@ def update_docs(result: dict, model: str, docs: Path = DOCS, readme: Path | None
 
 
 def pending_line(result: dict) -> str:
-    return f"Unfinished cells: {len(result['pending'])} (rerun the benchmark command to resume)."
+    hours = remaining_cpu_hours(result)
+    estimate = f"; about {hours:.1f} CPU hours left, from finished cells of the same length" if hours else ""
+    return f"Unfinished cells: {len(result['pending'])} (rerun the benchmark command to resume{estimate})."
+
+
+def remaining_cpu_hours(result: dict) -> float | None:
+    """CPU hours the unfinished samples need, priced at the mean per-sample cost of the finished cells of
+    the same kind (needles or text) and length; None when some unfinished cell has no such price."""
+
+    def kind(protocol: str) -> str:
+        return PERPLEXITY if protocol == PERPLEXITY else "needles"
+
+    price: dict[tuple, list[float]] = {}
+    for cell, spent in result.get("seconds", {}).items():
+        protocol, _, context = cell.split("/")
+        price.setdefault((kind(protocol), int(context)), []).append(spent["cpu_seconds"] / spent["n"])
+    seconds = 0.0
+    for cell in result["pending"]:
+        known = price.get((kind(cell["protocol"]), cell["context_tokens"]))
+        if not known:
+            return None
+        seconds += (cell["n"] - cell["done"]) * sum(known) / len(known)
+    return seconds / 3600
 
 
 def write_report(result: dict, out: Path, docs: Path | None = None, readme: Path | None = None) -> list[Path]:

@@ -21,7 +21,7 @@ from eval.__main__ import main
 from eval.benchmark import ALL, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, oracle_scorer
-from eval.report import README_BEGIN, README_END, headline, update_docs
+from eval.report import README_BEGIN, README_END, headline, pending_line, remaining_cpu_hours, update_docs
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS
 from kvp_cache import KVPCache
@@ -533,3 +533,17 @@ def test_config_errors():
     with pytest.raises(ValueError, match="min_full_score"):
         small_config(min_full_score=30)
     assert method_key(FULL, None) == FULL and method_key("kvp", 0.1) == "kvp@0.1"
+
+
+def test_unfinished_cells_are_priced_from_finished_cells_of_the_same_length():
+    seconds = {"question_in/niah_single/2048": {"n": 50, "cpu_seconds": 500.0},
+               "perplexity/kjv/2048": {"n": 10, "cpu_seconds": 300.0}}  # fmt: skip
+    pending = [{"protocol": "question_after", "task": "niah_single", "context_tokens": 2048, "done": 10, "n": 50},
+               {"protocol": PERPLEXITY, "corpus": "angular", "context_tokens": 2048, "done": 0, "n": 12}]  # fmt: skip
+    result = {"seconds": seconds, "pending": pending}
+    assert remaining_cpu_hours(result) == pytest.approx((40 * 10 + 12 * 30) / 3600)
+    assert "about 0.2 CPU hours left" in pending_line(result)
+    pending.append(
+        {"protocol": "question_in", "task": "niah_single", "context_tokens": 4096, "done": 0, "n": 20}
+    )
+    assert remaining_cpu_hours(result) is None and "CPU hours" not in pending_line(result)
