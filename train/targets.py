@@ -88,7 +88,7 @@ def attention(sample: LayerSample, sinks: int, window: int) -> torch.Tensor:
 def evictable_only(importance: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """``importance`` ``[kv_heads, n]`` with the always-kept first ``sinks`` and last ``window`` zeroed."""
     n = importance.shape[-1]
-    evictable = torch.zeros(n, dtype=torch.bool)
+    evictable = torch.zeros(n, dtype=torch.bool, device=importance.device)
     evictable[sinks : max(sinks, n - window)] = True
     return importance * evictable
 
