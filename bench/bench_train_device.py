@@ -101,6 +101,9 @@ def main() -> None:
         rows.append(
             {"device": device, "collect_s": collect_s, "fit_s": fit_s, "traces_gb": gigabytes(traces)}
         )
+        print(
+            f"{device}: collect {collect_s:.1f} s, fit {fit_s:.1f} s", flush=True
+        )  # kept if a later device times out
     last = rows[-1]
     for row in rows:
         row["collect_speedup"] = last["collect_s"] / row["collect_s"]

@@ -67,7 +67,9 @@ def greedy(model, input_ids, cache, max_new_tokens=6, **kwargs):
     return out.sequences, torch.stack(out.logits, dim=1).float()
 
 
-def check_generate_against_reference(model, prompt, cache, attention_mask=None, max_new_tokens=6):
+def check_generate_against_reference(
+    model, prompt, cache, attention_mask=None, max_new_tokens=6, atol=ATOL, rtol=1e-4
+):
     recorder = ForwardRecorder(model, cache)
     sequences, logits = greedy(model, prompt, cache, max_new_tokens, attention_mask=attention_mask)
     recorder.remove()
@@ -76,7 +78,7 @@ def check_generate_against_reference(model, prompt, cache, attention_mask=None, 
         mask = torch.cat([attention_mask, torch.ones_like(sequences[:, prompt.shape[1] :])], dim=-1)
     ref = reference_logits(model, sequences, recorder.snapshots, mask)
     steps = ref[:, prompt.shape[1] - 1 : prompt.shape[1] - 1 + logits.shape[1]]
-    torch.testing.assert_close(logits, steps, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits, steps, atol=atol, rtol=rtol)
     return sequences
 
 
@@ -144,24 +146,29 @@ def reference_logits(
 ) -> torch.Tensor:
     """Logits ``[batch, T, vocab]`` of the whole sequence under the recorded evictions."""
     b, total = input_ids.shape
-    real = attention_mask.bool() if attention_mask is not None else torch.ones(b, total, dtype=torch.bool)
+    device = input_ids.device
+    real = (
+        attention_mask.bool()
+        if attention_mask is not None
+        else torch.ones(b, total, dtype=torch.bool, device=device)
+    )
     positions = (real.long().cumsum(-1) - 1).clamp_min(0)
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    causal = torch.ones(total, total, dtype=torch.bool, device=device).tril()
     base = causal[None] & real[:, None, :]  # [b, T(q), T(k)]
     num_kv_heads = model.config.num_key_value_heads
 
     def allowed(layer_idx: int, sliding_window: int | None) -> torch.Tensor:
         mask = base[:, None].expand(b, num_kv_heads, total, total).clone()
         if sliding_window:
-            q_idx = torch.arange(total)[:, None]
-            k_idx = torch.arange(total)[None, :]
+            q_idx = torch.arange(total, device=device)[:, None]
+            k_idx = torch.arange(total, device=device)[None, :]
             mask &= (q_idx - k_idx < sliding_window)[None, None]
             return mask
         for snap in snapshots:
             if layer_idx not in snap.kept:
                 continue
             kept_positions, valid = snap.kept[layer_idx]
-            member = torch.zeros(b, num_kv_heads, snap.start, dtype=torch.bool)
+            member = torch.zeros(b, num_kv_heads, snap.start, dtype=torch.bool, device=device)
             weights = valid[:, None, :].expand_as(kept_positions)
             member.scatter_(-1, kept_positions, weights)
             rows = slice(snap.start, snap.start + snap.length)
