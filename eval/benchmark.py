@@ -509,9 +509,9 @@ def cell_row(where: dict, method: str, budget: float, metric: str, values: list[
 
 
 def needle_rows(
-    config: BenchmarkConfig, protocol: str, task: str, context: int, records: list[dict]
+    protocol: str, task: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]]
 ) -> list[dict]:
-    """Rows of one needle cell: the full cache, then every method x budget (accuracy, Wilson CI)."""
+    """Rows of one needle cell: the full cache, then every method x budget of ``grid`` (accuracy, Wilson CI)."""
     where = {"protocol": protocol, "task": task, "context_tokens": context}
     return [
         cell_row(
@@ -522,11 +522,13 @@ def needle_rows(
             [r["scores"][method_key(method, budget)] for r in records],
             wilson_interval,
         )
-        for method, budget in config.grid()
+        for method, budget in grid
     ]
 
 
-def text_rows(config: BenchmarkConfig, name: str, context: int, records: list[dict]) -> list[dict]:
+def text_rows(
+    name: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]]
+) -> list[dict]:
     """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs)."""
     where = {
         "protocol": PERPLEXITY,
@@ -536,7 +538,7 @@ def text_rows(config: BenchmarkConfig, name: str, context: int, records: list[di
     }
     full = [r["nll"][FULL] for r in records]
     rows = []
-    for method, budget in config.grid():
+    for method, budget in grid:
         nll = [r["nll"][method_key(method, budget)] for r in records]
         increase = [a - b for a, b in zip(nll, full, strict=True)]
         row = cell_row(where, method, budget, "nll_increase", increase, bootstrap_interval)
@@ -552,27 +554,37 @@ def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
 
 
 def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -> dict:
-    """``rows`` of every cell with all its samples done, plus ``pending`` cells and ``excluded`` tasks.
+    """``rows`` of every cell, plus ``pending`` cells and ``excluded`` tasks.
 
-    A sample is done when its latest record holds every row of ``config.grid()``, learned rows from
-    ``fingerprint.policy``."""
+    A row (method, budget) of a cell is reported once all the cell's samples hold it (learned rows from
+    ``fingerprint.policy``), so every reported row of a cell covers the same samples; a method added to
+    the grid later is pending while the finished rows stay reported. A cell with any row missing is
+    pending, with the samples that hold every row counted as done and the missing methods named."""
 
     def records(*parts) -> dict[int, dict]:
         return shard(out, fingerprint, *parts).records()
 
     rows, pending, excluded, seconds = [], [], [], {}
 
-    def finished(cell: dict, found: dict[int, dict], wanted: int) -> list[dict] | None:
-        """The cell's records in index order when all ``wanted`` are done; else None, noted as pending."""
-        done = [
-            found[i] for i in range(wanted) if i in found and not missing_rows(config, fingerprint, found[i])
-        ]
-        if len(done) < wanted:
-            pending.append({**cell, "done": len(done), "n": wanted})
+    def finished(cell: dict, found: dict[int, dict], wanted: int) -> tuple[list[dict], list] | None:
+        """The cell's records in index order and the grid rows that all of them hold; None while the
+        full cache's row is not done."""
+        missing = [set(missing_rows(config, fingerprint, found.get(i))) for i in range(wanted)]
+        grid = [row for row in config.grid() if not any(row in m for m in missing)]
+        if len(grid) < len(config.grid()):
+            methods = sorted({method for m in missing for method, _ in m})
+            pending.append({**cell, "done": sum(not m for m in missing), "n": wanted, "missing": methods})
+        if (FULL, None) not in grid:
             return None
-        return done
+        return [found[i] for i in range(wanted)], grid
 
-    pooled_scores: dict[tuple, list[dict]] = {}
+    def pooled_records(cells: list[tuple[list[dict], list]]) -> tuple[list[dict], list]:
+        """All cells' records and the grid rows every cell reported."""
+        grid = [row for row in cells[0][1] if all(row in cell_grid for _, cell_grid in cells)]
+        return [r for done, _ in cells for r in done], grid
+
+    pooled: dict[tuple, list] = {}
+    unreported: set[tuple] = set()  # (protocol, length) groups with a cell not reported: not pooled
     for context in config.contexts:
         for task in config.screened_tasks:
             screen = [r["scores"][FULL] for r in records("screen", task, context).values()]
@@ -594,26 +606,27 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
         cell = {"protocol": protocol, "task": task, "context_tokens": context}
         done = finished(cell, records(protocol, task, context), config.samples[context])
         if done is None:
+            unreported.add((protocol, context))
             continue
-        rows += needle_rows(config, protocol, task, context, done)
-        pooled_scores.setdefault((protocol, context), []).extend(done)
-        seconds[f"{protocol}/{task}/{context}"] = cost(done)
-    unfinished = {(p["protocol"], p["context_tokens"]) for p in pending}
-    for (protocol, context), done in pooled_scores.items():
-        if (protocol, context) not in unfinished:
-            rows += needle_rows(config, protocol, ALL, context, done)
+        rows += needle_rows(protocol, task, context, *done)
+        pooled.setdefault((protocol, context), []).append(done)
+        seconds[f"{protocol}/{task}/{context}"] = cost(done[0])
+    for (protocol, context), cells in pooled.items():
+        if (protocol, context) not in unreported:
+            rows += needle_rows(protocol, ALL, context, *pooled_records(cells))
     for context in config.text_contexts:
         for name in config.corpora:
             cell = {"protocol": PERPLEXITY, "corpus": name, "context_tokens": context}
             done = finished(cell, records(PERPLEXITY, name, context), config.text_windows[context])
             if done is None:
+                unreported.add((PERPLEXITY, context))
                 continue
-            rows += text_rows(config, name, context, done)
-            pooled_scores.setdefault((PERPLEXITY, context), []).extend(done)
-            seconds[f"{PERPLEXITY}/{name}/{context}"] = cost(done)
-        length_done = not any(p["protocol"] == PERPLEXITY and p["context_tokens"] == context for p in pending)
-        if length_done and pooled_scores.get((PERPLEXITY, context)):
-            rows += text_rows(config, ALL, context, pooled_scores[(PERPLEXITY, context)])
+            rows += text_rows(name, context, *done)
+            pooled.setdefault((PERPLEXITY, context), []).append(done)
+            seconds[f"{PERPLEXITY}/{name}/{context}"] = cost(done[0])
+        cells = pooled.get((PERPLEXITY, context))
+        if cells and (PERPLEXITY, context) not in unreported:
+            rows += text_rows(ALL, context, *pooled_records(cells))
     return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
 
 

@@ -180,7 +180,8 @@ def headline(result: dict) -> str:
 
 
 def cost_lines(result: dict) -> list[str]:
-    """Measured CPU seconds per sample of every finished cell (threads as in the provenance)."""
+    """Measured CPU seconds per sample of every reported cell (threads as in the provenance); a cell
+    with methods still to run counts the time of the rows it holds."""
     if not result.get("seconds"):
         return []
     body = [
@@ -202,12 +203,14 @@ def report_markdown(result: dict) -> str:
     if pending:
         cells = [
             [
-                f"{c['protocol']}/{c.get('task', c.get('corpus'))}/{c['context_tokens']}",
+                cell_name(c),
                 f"{c['done']} of {c['n']}",
+                ", ".join(c.get("missing", [])),
             ]
             for c in pending
         ]
-        lines += [pending_line(result), "", markdown_table(["unfinished cell", "samples done"], cells)]
+        header = ["unfinished cell", "samples with every row", "methods not done"]
+        lines += [pending_line(result), "", markdown_table(header, cells)]
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +240,11 @@ def update_docs(result: dict, model: str, docs: Path = DOCS, readme: Path | None
         replace_block(readme, README_BEGIN.format(model=model), README_END, body, append=False)
 
 
+def cell_name(cell: dict) -> str:
+    """``protocol/task or corpus/length``, as the cost table and ``result["seconds"]`` name cells."""
+    return f"{cell['protocol']}/{cell.get('task', cell.get('corpus'))}/{cell['context_tokens']}"
+
+
 def pending_line(result: dict) -> str:
     hours = remaining_cpu_hours(result)
     estimate = f"; about {hours:.1f} CPU hours left, from finished cells of the same length" if hours else ""
@@ -251,7 +259,10 @@ def remaining_cpu_hours(result: dict) -> float | None:
         return PERPLEXITY if protocol == PERPLEXITY else "needles"
 
     price: dict[tuple, list[float]] = {}
+    unfinished = {cell_name(c) for c in result["pending"]}
     for cell, spent in result.get("seconds", {}).items():
+        if cell in unfinished:  # reported rows of a cell with methods still to run: not a sample's price
+            continue
         protocol, _, context = cell.split("/")
         price.setdefault((kind(protocol), int(context)), []).append(spent["cpu_seconds"] / spent["n"])
     seconds = 0.0

@@ -183,9 +183,8 @@ def test_resumes_where_it_stopped(tiny, tmp_path, fake_corpora):
     partial = benchmark_result(
         config, tmp_path, Benchmark(model, tokenizer, config, tmp_path).fingerprint, {}
     )
-    assert {"protocol": "question_in", "task": "niah_single", "context_tokens": 256, "done": 2, "n": 3} in (
-        partial["pending"]
-    )
+    assert {"protocol": "question_in", "task": "niah_single", "context_tokens": 256, "done": 2, "n": 3,
+            "missing": sorted([FULL, ORACLE, "knorm", "snapkv"])} in partial["pending"]  # fmt: skip
     assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"]
     # Fewer budgets read the same records; other samples or another cache geometry never do.
     fewer = small_config(screened_tasks=[], protocols=["question_in"], budgets=[0.5])
@@ -203,11 +202,16 @@ def test_adding_a_method_computes_only_that_method(tiny, tmp_path, fake_corpora,
     model, tokenizer = tiny
     options = dict(screened_tasks=[], protocols=["question_after"], corpora=["kjv"], samples={256: 2},
                    text_windows={96: 2})  # fmt: skip
-    run(model, tokenizer, small_config(methods=["knorm"], **options), tmp_path)
+    first = run(model, tokenizer, small_config(methods=["knorm"], **options), tmp_path)
     before, lines = latest_records(tmp_path), shard_lines(tmp_path)
     assert work["knorm"] == 6 and work[ORACLE] == 6 and work["full_answer"] == 4
     work.clear()
     config = small_config(methods=["knorm", "tova"], **options)
+    # Before tova runs, the finished rows stay reported and each cell names tova as not done.
+    waiting = benchmark_result(config, tmp_path, config.fingerprint(None), {})
+    assert waiting["rows"] == first["rows"]
+    assert [(p["done"], p["missing"]) for p in waiting["pending"]] == [(0, ["tova"])] * 3
+    assert remaining_cpu_hours(waiting) is None  # no cell holds every row yet, so none prices a sample
     result = run(model, tokenizer, config, tmp_path)
     # One prefill per sample, tova's scorer only; no full cache, no oracle; one NLL forward per budget.
     assert work == Counter({"prefill": 6, "tova": 6, "continuation_nll": 2 * len(config.budgets)})
@@ -492,8 +496,9 @@ def test_more_text_windows_top_up_and_other_placements_are_never_read(tiny, tmp_
     )
     pending = benchmark_result(more, tmp_path, more.fingerprint(None), {})["pending"]
     assert first["pending"] == [] and pending == [
-        {"protocol": PERPLEXITY, "corpus": "kjv", "context_tokens": 96, "done": 0, "n": 3}
-    ]
+        {"protocol": PERPLEXITY, "corpus": "kjv", "context_tokens": 96, "done": 0, "n": 3,
+         "missing": sorted([FULL, ORACLE, "knorm"])}
+    ]  # fmt: skip
 
 
 def test_held_out_text_is_refused(essays_dir):
@@ -547,3 +552,9 @@ def test_unfinished_cells_are_priced_from_finished_cells_of_the_same_length():
         {"protocol": "question_in", "task": "niah_single", "context_tokens": 4096, "done": 0, "n": 20}
     )
     assert remaining_cpu_hours(result) is None and "CPU hours" not in pending_line(result)
+    # A cell with a method still to run: its reported rows cost less than a sample, so they price nothing.
+    seconds = {"question_in/niah_single/2048": {"n": 50, "cpu_seconds": 500.0},
+               "question_in/niah_multikey/2048": {"n": 50, "cpu_seconds": 50.0}}  # fmt: skip
+    pending = [{"protocol": "question_in", "task": "niah_multikey", "context_tokens": 2048, "done": 0, "n": 50,
+                "missing": ["h2o"]}]  # fmt: skip
+    assert remaining_cpu_hours({"seconds": seconds, "pending": pending}) == pytest.approx(50 * 10 / 3600)
