@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from kvp_cache.provenance import provenance
+from kvp_cache.provenance import policy_record, provenance, sha256_of
 from kvp_cache.tables import markdown_table
 
 
@@ -99,7 +99,14 @@ def main() -> None:
             env,
         )  # fmt: skip
         rows.append(
-            {"device": device, "collect_s": collect_s, "fit_s": fit_s, "traces_gb": gigabytes(traces)}
+            {
+                "device": device,
+                "collect_s": collect_s,
+                "fit_s": fit_s,
+                "traces_gb": gigabytes(traces),
+                # The weights this device's fit wrote (only once every layer is trained).
+                "policy": policy_record(str(fit / "policy")) if (fit / "policy").is_dir() else None,
+            }
         )
         print(
             f"{device}: collect {collect_s:.1f} s, fit {fit_s:.1f} s", flush=True
@@ -128,6 +135,7 @@ def main() -> None:
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}
         record = {
             "provenance": provenance(str(args.like), torch.float32, gpu or "cpu", command=sys.argv),
+            "model_sha256": sha256_of(model_dir / "model.safetensors"),  # the random weights traced
             "settings": {**settings, "gpu": gpu, "cpu_count": os.cpu_count()},
             "rows": rows,
         }
