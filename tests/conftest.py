@@ -70,3 +70,17 @@ def essays_dir() -> Path:
     if not ESSAYS_DIR.is_dir():
         pytest.fail(f"Paul Graham essays not found at {ESSAYS_DIR}; set KVP_ESSAYS_DIR")
     return ESSAYS_DIR
+
+
+@pytest.fixture
+def fake_corpora(monkeypatch):
+    """Corpora as seeded random token streams, so the tests need no corpus package."""
+
+    from eval import realtext
+    from eval.corpora import CORPORA
+
+    def stream(name, tokenizer):
+        generator = torch.Generator().manual_seed(sorted(CORPORA).index(name))
+        return torch.randint(100, 5000, (4000,), generator=generator)
+
+    monkeypatch.setattr(realtext, "corpus_tokens", stream)

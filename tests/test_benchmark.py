@@ -40,17 +40,6 @@ def tiny():
     return tiny_with_chat_tokenizer()
 
 
-@pytest.fixture
-def fake_corpora(monkeypatch):
-    """Corpora as seeded random token streams, so the tests need no corpus package."""
-
-    def stream(name, tokenizer):
-        generator = torch.Generator().manual_seed(sorted(CORPORA).index(name))
-        return torch.randint(100, 5000, (4000,), generator=generator)
-
-    monkeypatch.setattr(realtext, "corpus_tokens", stream)
-
-
 def small_config(**overrides) -> BenchmarkConfig:
     options = dict(
         methods=["knorm", "snapkv"],

@@ -10,9 +10,12 @@ import pytest
 import torch
 from conftest import tiny_model
 from reference import check_generate_against_reference, ids
+from test_benchmark import saved_policy, small_config
 from test_cache import make_cache
 from test_policy import tiny_policy
+from test_sweep import tiny_with_chat_tokenizer
 
+from eval.benchmark import Benchmark, benchmark_result
 from kvp_cache import available_methods
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -33,3 +36,34 @@ def test_every_method_matches_reference_on_device_and_dtype(method, kind, dtype,
     for layer in cache.evicting_layers:
         assert layer.keys.device.type == device and layer.keys.dtype == dtype
         assert layer.positions.device.type == device
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_benchmark_on_device_matches_cpu(device, tmp_path, fake_corpora):
+    """The benchmark's whole data path (prompts, prefill, every scorer, the oracle, decoding, real-text
+    NLL) on ``device`` gives the CPU's rows: the accuracies exactly, the NLLs to float noise."""
+    model, tokenizer = tiny_with_chat_tokenizer()
+    config = small_config(methods=["kvp", *sorted(set(available_methods()) - {"kvp"})], policy="tiny")
+    policy = saved_policy(model, 0, tmp_path / "policy")
+    rows = {}
+    for where in ("cpu", device):
+        bench = Benchmark(model.to(where), tokenizer, config, tmp_path / where, policy.to(where))
+        bench.run()
+        result = benchmark_result(config, tmp_path / where, bench.fingerprint, {})
+        rows[where] = {
+            (
+                r["protocol"],
+                r.get("task") or r.get("corpus"),
+                r["context_tokens"],
+                r["method"],
+                r["budget"],
+            ): r
+            for r in result["rows"]
+        }
+    assert rows[device].keys() == rows["cpu"].keys() and len(rows["cpu"]) > 20
+    for key, row in rows["cpu"].items():
+        if row["metric"] == "accuracy":
+            assert rows[device][key]["score"] == row["score"], key
+        else:  # NLL increase over the full cache, and the full cache's own NLL
+            assert rows[device][key]["score"] == pytest.approx(row["score"], abs=1e-3), key
+            assert rows[device][key]["nll"] == pytest.approx(row["nll"], abs=1e-3), key

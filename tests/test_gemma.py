@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from reference import ForwardRecorder, reference_logits
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvp_cache import KVPCache, available_methods
@@ -160,6 +160,18 @@ def test_shape_and_converted_checkpoint(gemma, monkeypatch):
     # Cached: a second call neither assembles nor converts.
     monkeypatch.setattr(type(GEMMA), "gguf_path", lambda self: pytest.fail("converted again"))
     assert (GEMMA.converted_dir() / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_wrongly_converted_tokenizer_is_refused(gemma):
+    """transformers 5.17 converted Gemma 3's GGUF tokenizer into single characters without a BOS, and
+    the benchmark then measured a full-cache NLL of 5.47 instead of 2.16 at 8K without any error."""
+    _, tokenizer = gemma  # load_model checked it
+    GEMMA.check_tokenizer(tokenizer)
+    smollm2 = AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
+    MODELS["smollm2"].check_tokenizer(smollm2)
+    with pytest.raises(RuntimeError, match=r"converts the GGUF tokenizer wrongly.*delete the cached copy"):
+        GEMMA.check_tokenizer(smollm2)
 
 
 @pytest.mark.slow
