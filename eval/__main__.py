@@ -129,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--text-windows", type=comma_list(int), default=None,
                        help="windows per corpus at each prefix length (default: 50 at 2K, 20 above)")  # fmt: skip
     bench.add_argument("--continuation-tokens", type=int, default=128)
+    bench.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="prompt tokens per prefill forward (default: one forward); bounds attention memory, which a "
+        "32K prompt on CPU needs",
+    )
     bench.add_argument("--no-oracle", action="store_true", help="skip the oracle row")
     bench.add_argument("--essays-dir", default=str(ESSAYS_DIR), help="haystack essays ('' for RULER noise)")
     bench.add_argument("--out", type=Path, default=None, help="default: eval/results/<model>")
@@ -197,7 +204,7 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
         essays_dir=args.essays_dir or None,
     )
     out = args.out or RESULTS / Path(args.model).name
-    benchmark = Benchmark(model, tokenizer, config, out, policy)
+    benchmark = Benchmark(model, tokenizer, config, out, policy, prefill_chunk=args.prefill_chunk)
     if not args.no_run:
         benchmark.run()
     header = provenance(args.model, next(model.parameters()).dtype, args.device, policy=policy)
@@ -214,7 +221,10 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "prefill_chunk", None) is not None and args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be >= 1 token, got {args.prefill_chunk}")
     if args.command == "report":
         from eval.report import write_report
 

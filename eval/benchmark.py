@@ -292,8 +292,19 @@ class Cell:
 class Benchmark:
     """Runs the cells of a :class:`BenchmarkConfig` into shards under ``out / "shards"``."""
 
-    def __init__(self, model, tokenizer, config: BenchmarkConfig, out: Path, policy=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: BenchmarkConfig,
+        out: Path,
+        policy=None,
+        prefill_chunk: int | None = None,
+    ):
         self.model = model
+        # Prompt tokens per prefill forward (kvp_cache.prefill's chunk_tokens): bounds attention memory
+        # at long contexts; answers equal one forward's up to float noise, so it is not in the fingerprint.
+        self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.config = config
         self.out = Path(out)
@@ -367,7 +378,7 @@ class Benchmark:
                 continue
             prompt = encode_prompt(sample, self.tokenizer, False, self.device)
             with torch.no_grad():
-                prefilled = prefill(self.model, prompt.prefix)
+                prefilled = prefill(self.model, prompt.prefix, chunk_tokens=self.prefill_chunk)
                 prediction = self.decoder.full_answer(prefilled, prompt, MAX_NEW_TOKENS[task])
             score = ruler.score(sample, prediction)
             shard.append({"index": index, "predictions": {FULL: prediction}, "scores": {FULL: score}})
@@ -381,7 +392,7 @@ class Benchmark:
         def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
             sample = samples[index]
             prompt = encode_prompt(sample, self.tokenizer, protocol == "question_after", self.device)
-            prefilled = prefill(self.model, prompt.prefix)
+            prefilled = prefill(self.model, prompt.prefix, chunk_tokens=self.prefill_chunk)
             tokens = MAX_NEW_TOKENS[task]
             predictions = self.answers(
                 prefilled,
@@ -410,7 +421,7 @@ class Benchmark:
         def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
             window = windows[index].to(self.device)
             prefix, continuation = window[:, :context], window[:, context:]
-            prefilled = prefill(self.model, prefix)
+            prefilled = prefill(self.model, prefix, chunk_tokens=self.prefill_chunk)
 
             def nll(cache) -> list[float]:
                 return realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvp_cache.capture import QueryCapture
+from kvp_cache.capture import QueryCapture, append_queries
 from kvp_cache.compat import cache_kwarg, evicting_layer_indices, text_config
 
 
@@ -37,22 +37,43 @@ class Prefill:
 
 @torch.no_grad()
 def prefill(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
 ) -> Prefill:
-    """Run ``model`` over ``input_ids`` (``[batch, seq]``) and keep its full state."""
+    """Run ``model`` over ``input_ids`` (``[batch, seq]``) and keep its full state.
+
+    ``chunk_tokens``: at most this many prompt tokens per forward (None: one forward). One forward
+    materializes attention scores of ``[batch, heads, seq, seq]`` where SDPA takes an explicit mask
+    (CPU, Gemma 3), 16 GB per layer at 32K in float32; chunks bound that to ``[.., chunk, seq]``.
+    The cache, queries and logits equal one forward's up to float noise.
+    """
+    seq = input_ids.shape[-1]
+    if chunk_tokens is not None and (
+        isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
+    ):
+        raise ValueError(f"chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+    chunk = chunk_tokens or seq
     cache = DynamicCache(config=text_config(model.config))
     capture = QueryCapture(model, window=-1, layer_indices=set(evicting_layer_indices(model.config)))
     queries: dict = {}
-    capture.attach(queries)
+    step: dict = {}
+    capture.attach(step)
     try:
-        # Only the last position's logits: a 262K vocabulary (Gemma 3) over 8K tokens would be 8.6 GB.
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **{cache_kwarg(model): cache},
-        )
+        for start in range(0, seq, chunk):
+            end = min(start + chunk, seq)
+            step.clear()
+            # Only the last position's logits: a 262K vocabulary (Gemma 3) over 8K tokens would be 8.6 GB.
+            out = model(
+                input_ids=input_ids[:, start:end],
+                attention_mask=None if attention_mask is None else attention_mask[:, :end],
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kwarg(model): cache},
+            )
+            for layer, states in step.items():
+                queries[layer] = append_queries(queries.get(layer), states, window=None)
     finally:
         capture.detach()
     return Prefill(cache, queries, input_ids, attention_mask, out.logits[:, -1].float())

@@ -351,6 +351,33 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     assert (out / "headline.md").read_text() == snippet
 
 
+def test_cli_prefill_in_chunks_gives_the_same_rows(tiny, tmp_path, monkeypatch, fake_corpora, capsys):
+    model, tokenizer = tiny
+    monkeypatch.setattr("eval.__main__.load_model", lambda name, device: (model, tokenizer))
+    args = ["benchmark", "--methods", "snapkv,expected_attention", "--policy", "", "--budgets", "0.25",
+            "--contexts", "256", "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "",
+            "--protocols", "question_in,question_after", "--corpora", "kjv", "--text-contexts", "96",
+            "--text-windows", "2", "--continuation-tokens", "8", "--essays-dir", ""]  # fmt: skip
+    rows = {}
+    for chunk in (None, 40):
+        out = tmp_path / str(chunk)
+        assert main([*args, "--out", str(out), *(["--prefill-chunk", str(chunk)] if chunk else [])]) == 0
+        rows[chunk] = json.loads((out / "benchmark.json").read_text())["rows"]
+    assert len(rows[None]) == len(rows[40]) > 8
+    for whole, chunked in zip(rows[None], rows[40], strict=True):
+        assert {**whole, "score": None, "nll": None, "ci95": None, "nll_ci95": None} == {
+            **chunked,
+            "score": None,
+            "nll": None,
+            "ci95": None,
+            "nll_ci95": None,
+        }
+        assert chunked["score"] == pytest.approx(whole["score"], abs=1e-4)
+    with pytest.raises(SystemExit):
+        main([*args, "--out", str(tmp_path / "bad"), "--prefill-chunk", "0"])
+    assert "--prefill-chunk must be >= 1 token, got 0" in capsys.readouterr().err
+
+
 def test_report_marks_the_best_and_every_overlapping_method(tmp_path):
     def row(method, score, low, high, budget=0.25):
         return {"protocol": "question_in", "task": ALL, "context_tokens": 2048, "method": method, "budget": budget,

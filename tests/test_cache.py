@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from kvp_cache import KVPCache, available_methods
 from kvp_cache.cache import EvictingLayer
 from kvp_cache.compat import cache_kwarg
+from kvp_cache.prefill import prefill
 from kvp_cache.scorers import SCORERS, Scorer, methods
 
 KV_ONLY = ["knorm", "keydiff", "streaming_llm", "random", "lagkv"]
@@ -165,6 +166,41 @@ def test_physical_length_is_the_budget_after_prefill(kind):
         assert cache.evicting_layers, "every family has full-attention layers"
         for layer in cache.evicting_layers:
             assert layer.keys.shape[-2] == layer.values.shape[-2] == expected
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_prefill_in_chunks_equals_one_forward(kind):
+    """kvp_cache.prefill in chunks (chunks longer and shorter than Gemma's sliding window of 16) keeps
+    the one-forward cache, queries and logits, so every method compresses it to the same entries."""
+    model = tiny_model(kind, attn_implementation="sdpa")
+    prompt = ids(length=70, seed=3)
+    mask = torch.ones_like(prompt)
+    whole = prefill(model, prompt, mask)
+    for chunk in (7, 32):
+        parts = prefill(model, prompt, mask, chunk_tokens=chunk)
+        torch.testing.assert_close(parts.next_token_logits, whole.next_token_logits, atol=1e-5, rtol=1e-5)
+        for mine, theirs in zip(parts.cache.layers, whole.cache.layers, strict=True):
+            torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+        assert parts.queries.keys() == whole.queries.keys() and whole.queries
+        for layer, states in whole.queries.items():
+            assert parts.queries[layer].queries.shape[-2] == 70
+            for name in ("queries", "pre_rope_queries", "rope_step", "last_cos", "last_sin"):
+                torch.testing.assert_close(
+                    getattr(parts.queries[layer], name), getattr(states, name), atol=1e-5, rtol=1e-5
+                )
+        for method in ("snapkv", "expected_attention", "knorm"):
+            mine, theirs = (
+                KVPCache.from_prefill(state, model, method=method, budget=0.25).evicting_layers[0].keys
+                for state in (parts, whole)
+            )
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5, msg=method)
+
+
+@pytest.mark.parametrize("chunk", [0, -3, 2.5, True])
+def test_bad_prefill_chunk_is_refused(chunk):
+    with pytest.raises(ValueError, match="chunk_tokens must be an int >= 1"):
+        prefill(tiny_model("llama"), ids(length=10), chunk_tokens=chunk)
 
 
 def test_chunked_prefill_compresses_to_budget_and_matches_reference():
