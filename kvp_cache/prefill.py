@@ -50,6 +50,8 @@ def prefill(
     The cache, queries and logits equal one forward's up to float noise.
     """
     seq = input_ids.shape[-1]
+    if input_ids.ndim != 2 or seq < 1:
+        raise ValueError(f"input_ids must be [batch, seq] with seq >= 1, got shape {tuple(input_ids.shape)}")
     if chunk_tokens is not None and (
         isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1
     ):

@@ -203,6 +203,11 @@ def test_bad_prefill_chunk_is_refused(chunk):
         prefill(tiny_model("llama"), ids(length=10), chunk_tokens=chunk)
 
 
+def test_empty_prompt_is_refused_before_the_model_runs():
+    with pytest.raises(ValueError, match=r"input_ids must be \[batch, seq\] with seq >= 1"):
+        prefill(tiny_model("llama"), torch.zeros(1, 0, dtype=torch.long))
+
+
 def test_chunked_prefill_compresses_to_budget_and_matches_reference():
     model = tiny_model("llama")
     cache = make_cache(model, "knorm", budget=0.25)
