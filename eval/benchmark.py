@@ -322,6 +322,9 @@ class Benchmark:
     def shard(self, *parts: object) -> Shard:
         return shard(self.out, self.fingerprint, *parts)
 
+    def prefill(self, input_ids: torch.Tensor):
+        return prefill(self.model, input_ids, chunk_tokens=self.prefill_chunk)
+
     def run(self) -> None:
         """Screen the screened tasks, then every cell's samples round-robin (sample 0 of every cell,
         then sample 1, ...), so an unfinished run has every cell equally far.
@@ -378,7 +381,7 @@ class Benchmark:
                 continue
             prompt = encode_prompt(sample, self.tokenizer, False, self.device)
             with torch.no_grad():
-                prefilled = prefill(self.model, prompt.prefix, chunk_tokens=self.prefill_chunk)
+                prefilled = self.prefill(prompt.prefix)
                 prediction = self.decoder.full_answer(prefilled, prompt, MAX_NEW_TOKENS[task])
             score = ruler.score(sample, prediction)
             shard.append({"index": index, "predictions": {FULL: prediction}, "scores": {FULL: score}})
@@ -392,7 +395,7 @@ class Benchmark:
         def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
             sample = samples[index]
             prompt = encode_prompt(sample, self.tokenizer, protocol == "question_after", self.device)
-            prefilled = prefill(self.model, prompt.prefix, chunk_tokens=self.prefill_chunk)
+            prefilled = self.prefill(prompt.prefix)
             tokens = MAX_NEW_TOKENS[task]
             predictions = self.answers(
                 prefilled,
@@ -421,7 +424,7 @@ class Benchmark:
         def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
             window = windows[index].to(self.device)
             prefix, continuation = window[:, :context], window[:, context:]
-            prefilled = prefill(self.model, prefix, chunk_tokens=self.prefill_chunk)
+            prefilled = self.prefill(prefix)
 
             def nll(cache) -> list[float]:
                 return realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()

