@@ -143,22 +143,31 @@ def excluded_lines(result: dict) -> list[str]:
     return lines + [""]
 
 
+def needle_column(rows: list[dict], protocol: str, length: int) -> tuple[str, Callable[[dict], bool]] | None:
+    """The headline column of one (protocol, length): every task pooled, or the only task reported
+    there (a length run on one task); None when nothing, or only part of several tasks, is reported."""
+    cell = [r for r in rows if r["protocol"] == protocol and r["context_tokens"] == length]
+    tasks = list(dict.fromkeys(r["task"] for r in cell))
+    task = ALL if ALL in tasks else tasks[0] if len(tasks) == 1 else None
+    if task is None:
+        return None
+    what = "q. after" if protocol == "question_after" else "q. inside"
+    label = f"needles {kilo(length)}{'' if task == ALL else ' ' + task}, {what} (acc. %)"
+    return (
+        label,
+        lambda r: r["protocol"] == protocol and r["context_tokens"] == length and r.get("task") == task,
+    )
+
+
 def headline(result: dict) -> str:
-    """The README's headline: needles at 2K and 8K (both protocols, all tasks pooled) and real text,
-    at 10% and 25% budgets."""
+    """The README's headline: needles at every length (both protocols, all tasks pooled, or the one
+    task a length was run on) and real text, at 10% and 25% budgets."""
     rows = result["rows"]
     config = result["config"]
-    lengths = [n for n in (2048, 8192) if n in config["contexts"]]
+    needles = [needle_column(rows, p, n) for n in config["contexts"] for p in config["protocols"]]
     parts = []
     for budget in HEADLINE_BUDGETS:
-        columns = [
-            (
-                f"needles {kilo(n)}, {'q. after' if p == 'question_after' else 'q. inside'} (acc. %)",
-                lambda r, n=n, p=p: r["protocol"] == p and r["context_tokens"] == n and r.get("task") == ALL,
-            )
-            for n in lengths
-            for p in config["protocols"]
-        ] + [
+        columns = [column for column in needles if column is not None] + [
             (
                 f"real text {kilo(n)} (NLL increase)",
                 lambda r, n=n: (

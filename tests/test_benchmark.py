@@ -419,6 +419,29 @@ def test_report_marks_the_best_and_every_overlapping_method(tmp_path):
     assert other.read_text() == "# No marker\n"
 
 
+def test_headline_shows_every_length_pooled_or_its_only_task():
+    def row(task, length, method="kvp"):
+        return {"protocol": "question_in", "task": task, "context_tokens": length, "method": method,
+                "budget": 0.1, "n": 20, "metric": "accuracy", "score": 0.5, "ci95": [0.3, 0.7]}  # fmt: skip
+
+    rows = [row(ALL, 2048), row("niah_single", 2048), row("niah_multikey", 2048),  # every task: pooled
+            row("niah_single", 8192),  # one task run at this length: its own column
+            row("niah_single", 16384), row("niah_multikey", 16384, "tova")]  # fmt: skip
+    result = {
+        "rows": rows,
+        "config": {
+            "protocols": ["question_in", "question_after"],
+            "contexts": [2048, 8192, 16384],
+            "text_contexts": [],
+        },  # fmt: skip
+        "provenance": {"model": "m", "command": "c", "git_commit": "abc", "policy": None},
+    }
+    header = headline(result).splitlines()[2]
+    assert (
+        header == "| method | needles 2K, q. inside (acc. %) | needles 8K niah_single, q. inside (acc. %) |"
+    )
+
+
 def test_wilson_and_bootstrap_intervals():
     # Reference values of the Wilson score interval (z = 1.96).
     assert wilson_from_mean(0.5, 100) == pytest.approx((0.4038, 0.5962), abs=1e-4)
