@@ -547,6 +547,16 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     with pytest.raises(ValueError, match="windows: unknown corpus"):
         collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
 
+    # Gemma's recipe: plain prompts of its own model, traced up to 8K, then dialogue and other code.
+    main, more = reproduce.collect_configs(tmp_path, "gemma3-270m")
+    assert {main.model, more.model} == {"gemma3-270m"} and main.context_tokens == (512, 8192)
+    assert main.synthetic + main.synthetic_after + sum(main.windows.values()) == 140
+    assert more.windows == {"dialogue": 30, "native_code": 40} and more.seed != main.seed
+    assert len({main.train_name, main.val_name, more.train_name, more.val_name}) == 4
+    gemma_fit = reproduce.fit_config(tmp_path, tmp_path / "fit", model="gemma3-270m")
+    gemma_fit.validate()
+    assert gemma_fit.train_split == "train+train_more" and gemma_fit.val_split == "val+val_more"
+
 
 # ---------------------------------------------------------------- downstream validation
 
@@ -602,3 +612,16 @@ def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, es
     assert ("text", "knorm", 0.25) in rows and ("all text", "streaming_llm", 1.0) in rows
     downstream.run_downstream(run, model=model, tokenizer=tokenizer)  # resumes: nothing recomputed
     assert len((tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()) == 3
+
+
+def test_downstream_pools_every_text_corpus_and_no_task():
+    from train import downstream
+    from train.corpora import CORPORA
+
+    sources = [*CORPORA, "text", "niah_single", "niah_single-after"]
+    records = [{"source": s, "nll": {"full": 1.0, "kvp@0.1": 1.0 + i}} for i, s in enumerate(sources)]
+    rows = {r["source"]: r for r in downstream.summary_rows(records, ["kvp"], [0.1])}
+    assert rows[downstream.ALL_TEXT]["n"] == len(CORPORA) + 1  # native_code included, needles not
+    assert rows[downstream.ALL_TEXT]["nll_increase"] == pytest.approx(
+        sum(range(len(CORPORA) + 1)) / (len(CORPORA) + 1)
+    )

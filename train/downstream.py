@@ -35,13 +35,15 @@ from kvp_cache.provenance import policy_record, provenance
 from kvp_cache.scorers import make_scorer
 from kvp_cache.tables import markdown_table
 from train.collect import CollectConfig, build_examples
+from train.corpora import CORPORA
 from train.data import Example, split_examples
 from train.evaluate import parse_policies
 from train.traces import TraceSplit
 
 FULL = "full"
 ALL_TEXT = "all text"
-TEXT_SOURCES = ("essays", "code", "docs", "dialogue", "text")
+# Every corpus of train.corpora, and --text-files / --hf-dataset windows ("text").
+TEXT_SOURCES = (*CORPORA, "text")
 
 
 @dataclass
