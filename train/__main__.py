@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
         ("evaluate", evaluate, "eviction-cost curves of a policy and every baseline on held-out traces"),
         ("downstream", downstream, "loss after compression on a collection's held-out samples, per source"),
         ("push", push, "publish a trained policy directory to the Hugging Face Hub"),
-        ("reproduce", reproduce, "collect + fit + evaluate the shipped SmolLM2 default from nothing"),
+        ("reproduce", reproduce, "collect + fit + evaluate a shipped policy from nothing (--model)"),
     ]:
         sub = commands.add_parser(
             name,

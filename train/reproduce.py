@@ -1,32 +1,38 @@
-"""``python -m train reproduce``: the shipped SmolLM2-135M-Instruct policy from nothing.
+"""``python -m train reproduce --model {smollm2,gemma3-270m}``: a shipped policy from nothing.
 
 Runs, each step resumable (rerun the command after an interruption):
 
-1. collect, in two collections of one trace directory, 8% of each held out, prompts log-uniform in
-   512-4096 tokens:
-   - ``train``/``val``: 460 candidates: text windows (90 essays, 110 third-party Python code, 60
-     package docs, 40 dialogue turns) whose future is their true continuation (64-256 tokens), and
-     RULER ``niah_single``/``niah_multikey`` prompts (100 with the question inside, 60 asked after)
-     whose future is the gold answer, kept only where the full cache answers correctly;
-   - ``train_native``/``val_native``: 110 windows of third-party C/C++/CUDA/Cython/JavaScript
-     source (``native_code``), added once the first policy lost on JavaScript;
-2. fit: every layer on ``train+train_native``, ListNet on the ``attention_evictable`` target (future
-   attention with the always-kept sinks and window left out), 200 steps of 8 traces, agents of 64
-   hidden units;
-3. evaluate: eviction cost on ``val+val_native`` (recorded in the policy card), then the loss after
-   compression on the same held-out examples (``train downstream``, the number the recipe was chosen
-   by);
-4. with ``--ship``, copy the policy to ``kvp_cache/policies/smollm2-135m-instruct``.
+1. collect, in two collections of one trace directory, each holding out its own validation split;
+2. fit every evicting layer on both training splits, validating on both held-out splits;
+3. evaluate: eviction cost on the held-out splits (recorded in the policy card), then the loss after
+   compression on the same examples (``train downstream``, the number the recipe was chosen by);
+4. with ``--ship``, copy the policy to ``kvp_cache/policies/<its shipped name>``.
 
-The shipped run, one thread per step on 2 shared cores: 80 + 17 minutes of collection (22.2 GB of
-traces), 45 of fitting (two fits sharing the cores), ~20 of downstream evaluation
-(docs/training_report.md).
+The recipes (:data:`RECIPES`):
+
+- ``smollm2`` (``smollm2-135m-instruct``): prompts log-uniform in 512-4096 tokens, 8% held out.
+  ``train``/``val``: 460 candidates: text windows (90 essays, 110 third-party Python code, 60
+  package docs, 40 dialogue turns) whose future is their true continuation (64-256 tokens), and
+  RULER ``niah_single``/``niah_multikey`` prompts (100 with the question inside, 60 asked after)
+  whose future is the gold answer, kept only where the full cache answers correctly;
+  ``train_native``/``val_native``: 110 windows of third-party C/C++/CUDA/Cython/JavaScript source,
+  added once the first policy lost on JavaScript. ListNet on ``attention_evictable`` (future
+  attention with the always-kept sinks and window left out), 64 hidden units. 80 + 17 minutes of
+  collection (22.2 GB of traces), 45 of fitting, ~20 of downstream evaluation on 2 shared cores
+  (docs/training_report.md).
+- ``gemma3-270m``: plain prompts (a base model), 10% held out. ``train``/``val``: 140 candidates of
+  512-8192 tokens (35 essays, 35 Python code, 25 docs; 30 ``niah_single``/``niah_multiquery``
+  prompts with the question inside, 15 asked after); ``train_more``/``val_more``: 70 windows of
+  512-4096 tokens (30 dialogue, 40 non-Python source), added once the first policy lost on
+  held-out dialogue. Only its 3 global layers are traced and fitted. 49 + 11 minutes of collection
+  (1.8 GB), about 3 of fitting (docs/training_report_gemma3.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvp_cache.policy import POLICIES_DIR
@@ -35,50 +41,89 @@ from train.downstream import DownstreamConfig, run_downstream
 from train.evaluate import EvaluateConfig, run_evaluation
 from train.fit import FitConfig, fit
 
-SHIPPED_NAME = "smollm2-135m-instruct"
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one shipped policy is built: its collections (``CollectConfig`` fields, into one trace
+    directory) and the fit settings that differ between models."""
+
+    shipped_name: str
+    report_dir: str
+    collections: tuple[dict, ...]
+    hidden_dim: int
+    target: str = "attention_evictable"
 
 
-def collect_configs(traces: Path) -> list[CollectConfig]:
-    """Step 1: real text of four kinds plus needle tasks (question inside and after), then non-Python
-    source code under its own split names; each collection holds out its own validation split."""
-    shared = dict(
-        context_tokens=(512, 4096),
-        future_tokens=(64, 256),
-        max_new_tokens=48,
-        val_fraction=0.08,
-        shard_size=8,
-    )
-    return [
-        CollectConfig(
-            str(traces),
-            synthetic=100,
-            synthetic_after=60,
-            tasks=["niah_single", "niah_multikey"],
-            windows={"essays": 90, "code": 110, "docs": 60, "dialogue": 40},
-            seed=0,
-            **shared,
+SMOLLM2_SHARED = dict(
+    context_tokens=(512, 4096), future_tokens=(64, 256), max_new_tokens=48, val_fraction=0.08
+)
+GEMMA_SHARED = dict(future_tokens=(64, 256), max_new_tokens=48, val_fraction=0.1, model="gemma3-270m")
+RECIPES = {
+    "smollm2": Recipe(
+        "smollm2-135m-instruct",
+        "docs/smollm2",
+        (
+            dict(
+                synthetic=100,
+                synthetic_after=60,
+                tasks=["niah_single", "niah_multikey"],
+                windows={"essays": 90, "code": 110, "docs": 60, "dialogue": 40},
+                seed=0,
+                **SMOLLM2_SHARED,
+            ),
+            dict(
+                windows={"native_code": 110},
+                train_name="train_native",
+                val_name="val_native",
+                seed=1,
+                **SMOLLM2_SHARED,
+            ),
         ),
-        CollectConfig(
-            str(traces),
-            windows={"native_code": 110},
-            train_name="train_native",
-            val_name="val_native",
-            seed=1,
-            **shared,
+        hidden_dim=64,
+    ),
+    "gemma3-270m": Recipe(
+        "gemma3-270m",
+        "docs/gemma3",
+        (
+            dict(
+                synthetic=30,
+                synthetic_after=15,
+                tasks=["niah_single", "niah_multiquery"],
+                windows={"essays": 35, "code": 35, "docs": 25},
+                context_tokens=(512, 8192),
+                seed=0,
+                **GEMMA_SHARED,
+            ),
+            dict(
+                windows={"dialogue": 30, "native_code": 40},
+                context_tokens=(512, 4096),
+                train_name="train_more",
+                val_name="val_more",
+                seed=1,
+                **GEMMA_SHARED,
+            ),
         ),
-    ]
+        hidden_dim=64,
+    ),
+}
 
 
-def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig:
+def collect_configs(traces: Path, model: str = "smollm2") -> list[CollectConfig]:
+    """Step 1: the recipe's collections into ``traces``, shards of 8 samples."""
+    return [CollectConfig(str(traces), shard_size=8, **settings) for settings in RECIPES[model].collections]
+
+
+def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str = "smollm2") -> FitConfig:
     """Step 2. A 128-row position table read with "scale" (relative positions), so prompts of any
-    length share it; 64 hidden units (1.7% of a 4K prefill to score, bench/results/policy_smollm2.json).
-    It trains on every collection's training split and validates on their held-out splits."""
-    collections = collect_configs(traces)
+    length share it; ListNet, 200 steps of 8 traces. It trains on every collection's training split
+    and validates on their held-out splits."""
+    recipe = RECIPES[model]
+    collections = collect_configs(traces, model)
     return FitConfig(
         str(traces),
         str(out),
         objective=objective,
-        target="attention_evictable",
+        target=recipe.target,
         steps=200,
         batch_size=8,
         eval_every=25,
@@ -86,15 +131,15 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet") -> FitConfig
         lr=3e-3,
         position_strategy="scale",
         max_positions=128,
-        hidden_dim=64,
+        hidden_dim=recipe.hidden_dim,
         train_split="+".join(c.train_name for c in collections),
         val_split="+".join(c.val_name for c in collections),
     )
 
 
-def ship(policy_dir: Path) -> None:
+def ship(policy_dir: Path, model: str = "smollm2") -> None:
     """Step 4: copy the policy into the package."""
-    target = POLICIES_DIR / SHIPPED_NAME
+    target = POLICIES_DIR / RECIPES[model].shipped_name
     target.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "README.md"):
         shutil.copy(policy_dir / name, target / name)
@@ -102,12 +147,13 @@ def ship(policy_dir: Path) -> None:
 
 
 def reproduce_command(args: argparse.Namespace) -> None:
-    run_dir, report = Path(args.run_dir), Path(args.report_dir)
+    run_dir = Path(args.run_dir or f"runs/{args.model}")
+    report = Path(args.report_dir or RECIPES[args.model].report_dir)
     traces, fit_dir = run_dir / "traces", run_dir / "fit"
-    collections = collect_configs(traces)
+    collections = collect_configs(traces, args.model)
     for config in collections:
         collect(config)
-    policy_dir = fit(fit_config(traces, fit_dir, args.objective))
+    policy_dir = fit(fit_config(traces, fit_dir, args.objective, args.model))
     report.mkdir(parents=True, exist_ok=True)
     shutil.copy(fit_dir / "training_curves.png", report / "training_curves.png")
     val_splits = [c.val_name for c in collections]
@@ -119,17 +165,20 @@ def reproduce_command(args: argparse.Namespace) -> None:
     for split in val_splits:  # downstream rebuilds examples from one collection's settings
         run_downstream(DownstreamConfig(str(traces), str(report), split=split, policy=[f"kvp={policy_dir}"]))
     if args.ship:
-        ship(policy_dir)
+        ship(policy_dir, args.model)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run-dir", default="runs/smollm2", help="traces/ and fit/ go here")
-    parser.add_argument("--report-dir", default="docs/smollm2", help="evaluation tables and figures")
+    parser.add_argument("--model", default="smollm2", choices=sorted(RECIPES), help="whose shipped policy")
+    parser.add_argument("--run-dir", default=None, help="traces/ and fit/ go here (default: runs/<model>)")
+    parser.add_argument(
+        "--report-dir", default=None, help="evaluation tables and figures (default: the recipe's docs/<dir>)"
+    )
     parser.add_argument(
         "--objective", default="listnet", help="fit objective: listnet (shipped) or rl (the paper's trainer)"
     )
     parser.add_argument(
-        "--ship", action="store_true", help=f"copy the policy to kvp_cache/policies/{SHIPPED_NAME}"
+        "--ship", action="store_true", help="copy the policy to kvp_cache/policies/<its shipped name>"
     )
     parser.add_argument(
         "--threads", type=int, default=2, help="torch threads (1 is faster on a busy machine)"
