@@ -433,7 +433,7 @@ def test_headline_shows_every_length_pooled_or_its_only_task():
             "protocols": ["question_in", "question_after"],
             "contexts": [2048, 8192, 16384],
             "text_contexts": [],
-        },  # fmt: skip
+        },
         "provenance": {"model": "m", "command": "c", "git_commit": "abc", "policy": None},
     }
     header = headline(result).splitlines()[2]

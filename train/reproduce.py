@@ -58,7 +58,6 @@ class Recipe:
 SMOLLM2_SHARED = dict(
     context_tokens=(512, 4096), future_tokens=(64, 256), max_new_tokens=48, val_fraction=0.08
 )
-GEMMA_SHARED = dict(future_tokens=(64, 256), max_new_tokens=48, val_fraction=0.1, model="gemma3-270m")
 RECIPES = {
     "smollm2": Recipe(
         "smollm2-135m-instruct",
@@ -92,8 +91,11 @@ RECIPES = {
                 tasks=["niah_single", "niah_multiquery"],
                 windows={"essays": 35, "code": 35, "docs": 25},
                 context_tokens=(512, 8192),
+                future_tokens=(64, 256),
+                max_new_tokens=48,
+                val_fraction=0.1,
+                model="gemma3-270m",
                 seed=0,
-                **GEMMA_SHARED,
             ),
         ),
         hidden_dim=32,
