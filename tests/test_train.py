@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvp_cache.policy import HeadAgents, load_policy
+from kvp_cache.policy import HeadAgents, KVPolicy, load_policy
 from train import collect, data, evaluate, fit, reward, rl
 from train.batch import Batch
 from train.traces import TraceSplit, shard_dir, write_shard
@@ -610,6 +610,44 @@ def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, es
     assert ("text", "knorm", 0.25) in rows and ("all text", "streaming_llm", 1.0) in rows
     downstream.run_downstream(run, model=model, tokenizer=tokenizer)  # resumes: nothing recomputed
     assert len((tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()) == 3
+
+    # Another method later: only it is scored, and each record keeps the logged scores.
+    run.methods = ["streaming_llm", "knorm", "random"]
+    result = downstream.run_downstream(run, model=model, tokenizer=tokenizer)
+    lines = (tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()
+    assert len(lines) == 6
+    for before, after in zip(records, map(json.loads, lines[3:]), strict=True):
+        assert after["uid"] == before["uid"] and set(after["nll"]) == set(before["nll"]) | {
+            "random@0.25",
+            "random@1",
+        }
+        assert {k: after["nll"][k] for k in before["nll"]} == pytest.approx(before["nll"], abs=1e-4)
+        assert after["nll"]["random@1"] == pytest.approx(after["nll"]["full"], abs=1e-4)
+    assert ("all text", "random", 0.25) in {(r["source"], r["method"], r["budget"]) for r in result["rows"]}
+
+    # A policy whose weights changed under the same name is scored again; the rest is kept.
+    def policy_scores(seed: int) -> list[dict]:
+        torch.manual_seed(seed)
+        KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=16).save_pretrained(tmp_path / "p")
+        run.policy = [f"mine={tmp_path / 'p'}"]
+        downstream.run_downstream(run, model=model, tokenizer=tokenizer)
+        return [
+            json.loads(line) for line in (tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()
+        ]
+
+    # Other sinks: every score is new.
+    run.sinks = 2
+    downstream.run_downstream(run, model=model, tokenizer=tokenizer)
+    lines = (tmp_path / "out" / "downstream_val.jsonl").read_text().splitlines()
+    assert len(lines) == 9 and json.loads(lines[-1])["kept"]["sinks"] == 2
+    run.sinks = 4
+    first = policy_scores(0)
+    assert len(first) == 12 and len(policy_scores(0)) == 12  # the same weights: nothing rescored
+    second = policy_scores(1)
+    assert len(second) == 15
+    for a, b in zip(first[-3:], second[-3:], strict=True):
+        assert a["policies"]["mine"] != b["policies"]["mine"]
+        assert a["nll"]["knorm@0.25"] == b["nll"]["knorm@0.25"]
 
 
 def test_downstream_pools_every_text_corpus_and_no_task():

@@ -10,7 +10,9 @@ NLL per future token minus the full cache's, per source (``essays``, ``code``, `
 
 The examples are rebuilt from the run's ``collect.json`` (deterministic given its seed) and must be
 exactly the ones the run traced in ``--split``, so they are held out from every policy fitted on
-its other split. Records go to ``downstream_<split>.jsonl`` as they finish (a rerun resumes); the
+its other split. Records go to ``downstream_<split>.jsonl`` as they finish (a rerun resumes, and
+scores only the methods, budgets and policy weights an example's record lacks, for the same sinks
+and window); the
 summary to ``downstream_<split>.{json,md}``, with provenance.
 """
 
@@ -179,16 +181,30 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
     done = {}
     if log.exists():
         done = {r["uid"]: r for r in map(json.loads, log.read_text().splitlines())}
-    wanted = [f"{name}@{b:g}" for name in scorers for b in config.budgets]
+    weights = {name: policy_record(policy)["sha256"] for name, policy in policies.items()}
+    kept = {"sinks": config.sinks, "window": config.window}
     for example in tqdm(examples, desc="downstream", unit="sample"):
-        if example.uid in done and all(key in done[example.uid]["nll"] for key in wanted):
+        # A rerun scores only what the log lacks: new methods, new budgets, or a policy name whose
+        # weights changed since it was logged.
+        old = done.get(example.uid, {})
+        if old.get("kept") != kept:  # scored with other sinks or window: nothing carries over
+            old = {"nll": {}, "policies": {}}
+        stale = {name for name, sha in weights.items() if old.get("policies", {}).get(name) != sha}
+        missing = {
+            name: scorer
+            for name, scorer in scorers.items()
+            if name in stale or any(f"{name}@{b:g}" not in old["nll"] for b in config.budgets)
+        }
+        if not missing and FULL in old["nll"]:
             continue
         record = {
             "uid": example.uid,
             "source": example.source,
             "prompt_tokens": len(example.prompt_ids),
             "future_tokens": len(example.question_ids) + len(example.future_ids or []),
-            "nll": example_nll(model, decoder, example, scorers, config.budgets),
+            "nll": {**old["nll"], **example_nll(model, decoder, example, missing, config.budgets)},
+            "policies": {**old["policies"], **weights},
+            "kept": kept,
         }
         done[example.uid] = record
         with log.open("a") as f:
