@@ -37,7 +37,15 @@ POSITION_STRATEGIES = {
         "position features of the two nearest rows; rows with n <= max_positions read exactly what "
         "'clamp' reads"
     ),
+    "recency": (
+        "position p of a row of n real tokens reads fractional row log2(1 + n - 1 - p) * "
+        "(max_positions - 1) / 16: its distance to the row's last token on a log scale, linearly "
+        "interpolating the two nearest rows (128 rows: about 8 per doubling, up to 65,536 tokens); "
+        "the same distance reads the same row at every context length"
+    ),
 }
+# "recency" spreads distances 0 .. 2**RECENCY_SPAN_LOG2 - 1 over the table.
+RECENCY_SPAN_LOG2 = 16
 
 
 def check_positive_int(name: str, value: Any) -> None:
@@ -172,6 +180,9 @@ class HeadAgents(nn.Module):
     def table_positions(self, positions: Tensor) -> Tensor:
         """Fractional table rows ``[batch, seq]`` (float32) for token positions ``[batch, seq]`` (-1 on padding)."""
         last = self.max_positions - 1
+        if self.position_strategy == "recency":
+            distance = (positions.amax(dim=-1, keepdim=True) - positions).clamp(min=0).float()
+            return (torch.log2(1 + distance) * (last / RECENCY_SPAN_LOG2)).clamp(max=last)
         rows = positions.clamp(min=0).float()
         if self.position_strategy == "scale":
             # n - 1 = the row's largest position; rows that fit in the table keep their exact indices.
@@ -264,6 +275,8 @@ class HeadAgents(nn.Module):
             p = positions[row].clamp(min=0).float()
             if self.position_strategy == "scale" and n > self.max_positions:
                 p = p * last / (n - 1)
+            if self.position_strategy == "recency":
+                p = torch.log2((n - p).clamp(min=1)) * last / RECENCY_SPAN_LOG2
             p = p.clamp(max=last)
             low, high = p.floor().long(), (p.floor().long() + 1).clamp(max=last)
             for h in range(keys.shape[1]):
@@ -285,14 +298,14 @@ class HeadAgents(nn.Module):
     def gather_rows(self, per_row: Tensor, positions: Tensor) -> Tensor:
         """Each token's position features: ``per_row`` ``[heads, max_positions, f]`` -> ``[batch, heads, seq, f]``.
 
-        "clamp" reads the token's row; "scale" interpolates linearly between the two rows around
-        its fractional row.
+        "clamp" reads the token's row; "scale" and "recency" interpolate linearly between the two rows
+        around its fractional row.
         """
         rows = self.table_positions(positions)
         heads = torch.arange(self.num_heads, device=positions.device)[None, :, None]
         low = rows.floor().long()
         gathered = per_row[heads, low[:, None, :]]
-        if self.position_strategy == "scale":
+        if self.position_strategy != "clamp":
             high = (low + 1).clamp(max=self.max_positions - 1)
             fraction = (rows - low.float())[:, None, :, None].to(per_row.dtype)
             gathered = torch.lerp(gathered, per_row[heads, high[:, None, :]], fraction)

@@ -62,7 +62,7 @@ class KVPolicy(
             Set ``max_positions`` to the training prompt length: table rows past the longest
             training prompt are never trained, while "clamp" and "scale" both map longer
             prompts onto trained rows.
-        position_strategy: "clamp" (the paper) or "scale", see :data:`POSITION_STRATEGIES`;
+        position_strategy: "clamp" (the paper), "scale" or "recency", see :data:`POSITION_STRATEGIES`;
             it has no weights, so it can be changed after loading (``policy.position_strategy = ...``).
         base_model: Hub id of the LLM the policy was trained for (checked by :meth:`check_compatible`).
         training: JSON-able record of how the policy was trained, saved in config.json and shown

@@ -62,7 +62,7 @@ def test_agents_match_per_head_reference(num_mlp_layers):
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("strategy", ["clamp", "scale"])
+@pytest.mark.parametrize("strategy", ["clamp", "scale", "recency"])
 def test_positions_past_the_table_follow_the_strategy(strategy):
     agents = random_agents(strategy)
     keys, values, positions = padded_inputs([30, 12, 5], seq=30)  # 30 > max_positions = 12
@@ -87,8 +87,21 @@ def test_scale_equals_clamp_within_the_table_and_spreads_longer_rows():
     assert not torch.allclose(tail_scale, tail_scale[..., :1].expand_as(tail_scale))
 
 
-def test_batched_rows_score_like_single_rows():
-    agents = random_agents("scale")
+def test_recency_reads_the_same_row_for_the_same_distance_at_every_length():
+    agents = random_agents("recency")
+    same = torch.randn(1, 3, 1, 16)
+    short = agents(same.expand(1, 3, 10, 16), same.expand(1, 3, 10, 16), torch.arange(10)[None])
+    long = agents(same.expand(1, 3, 300, 16), same.expand(1, 3, 300, 16), torch.arange(300)[None])
+    # The last ten tokens of either row are at distances 9..0 from the row's end.
+    torch.testing.assert_close(short, long[..., -10:], rtol=1e-5, atol=1e-5)
+    rows = agents.table_positions(torch.tensor([[0, 1, 2, 3]]))
+    assert torch.allclose(rows, torch.log2(torch.tensor([[4.0, 3.0, 2.0, 1.0]])) * 11 / 16)
+    assert not torch.allclose(long, long[..., :1].expand_as(long))
+
+
+@pytest.mark.parametrize("strategy", ["scale", "recency"])
+def test_batched_rows_score_like_single_rows(strategy):
+    agents = random_agents(strategy)
     keys, values, positions = padded_inputs([20, 9], seq=20)
     batched = agents(keys, values, positions)
     for row, n in enumerate([20, 9]):
