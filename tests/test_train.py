@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -215,6 +216,32 @@ def test_split_and_text_windows():
     assert all(len(w.prompt_ids) == 12 and len(w.future_ids) == 4 for w in windows)
     with pytest.raises(ValueError, match="fewer than"):
         data.text_examples(ByteTokenizer(), ["short"], 1, (12, 12), (4, 4), seed=0)
+
+
+def test_text_windows_never_share_a_token():
+    """Windows cut from one stream are disjoint, so the val split never overlaps the train split."""
+    rng = random.Random(0)
+    documents = ["".join(chr(rng.randrange(33, 123)) for _ in range(97)) for _ in range(40)]
+
+    def overlapping(windows) -> bool:  # the random stream repeats no 12-gram, so shared ones mean overlap
+        grams = [
+            {tuple((w.prompt_ids + w.future_ids)[i : i + 12]) for i in range(len(w.prompt_ids) - 11)}
+            for w in windows
+        ]
+        return sum(len(g) for g in grams) > len(set().union(*grams))
+
+    legacy = []
+    for seed in range(5):
+        windows = data.text_examples(ByteTokenizer(), documents, 30, (40, 100), (8, 20), seed=seed)
+        assert len(windows) == 30 and not overlapping(windows)
+        legacy.append(
+            overlapping(
+                data.text_examples(ByteTokenizer(), documents, 30, (40, 100), (8, 20), seed, disjoint=False)
+            )
+        )
+    assert any(legacy)  # the old placement overlapped
+    with pytest.raises(ValueError, match="fewer than 300 disjoint windows"):
+        data.text_examples(ByteTokenizer(), documents, 300, (40, 100), (8, 20), seed=0)
 
 
 def test_hf_dataset_offline_error(monkeypatch):

@@ -56,6 +56,8 @@ class CollectConfig:
 
     context_tokens / future_tokens: ``(low, high)``; prompts are log-uniform, text continuations
     uniform in the range (``low == high``: fixed). windows: corpus name -> number of text windows.
+    disjoint_windows (no flag): ``False`` only to rebuild collections made before text windows were
+    disjoint (``train.data.text_examples``).
     """
 
     out: str
@@ -82,6 +84,7 @@ class CollectConfig:
     query_scores: str = "val"
     shard_size: int = 8
     seed: int = 0
+    disjoint_windows: bool = True
 
     def validate(self) -> None:
         if self.task_future not in TASK_FUTURES:
@@ -334,7 +337,14 @@ def build_examples(config: CollectConfig, tokenizer, chat: bool = True) -> list[
 
 def text_windows(config: CollectConfig, tokenizer, texts: list[str], count: int, seed: int, name: str):
     return data.text_examples(
-        tokenizer, texts, count, config.context_tokens, config.future_tokens, seed, name
+        tokenizer,
+        texts,
+        count,
+        config.context_tokens,
+        config.future_tokens,
+        seed,
+        name,
+        config.disjoint_windows,
     )
 
 

@@ -166,6 +166,7 @@ def text_examples(
     future_tokens: tuple[int, int],
     seed: int,
     prefix: str = "text",
+    disjoint: bool = True,
 ) -> list[Example]:
     """``n`` windows cut at random places from the documents, joined by EOS into one token stream.
 
@@ -173,6 +174,10 @@ def text_examples(
     continuation of a uniform ``future_tokens[0]..future_tokens[1]`` tokens. The prompt starts
     with the tokens the tokenizer puts before any text (Gemma's BOS; none for SmolLM2), as every
     prompt the model sees does.
+
+    ``disjoint``: no two windows share a token, so a window held out for validation never
+    overlaps one trained on. ``False`` rebuilds collections made before that (each window placed
+    independently; with a small corpus most validation windows overlapped training ones).
     """
     if n <= 0:
         return []
@@ -192,11 +197,27 @@ def text_examples(
             f"the text has {len(stream)} tokens, fewer than the longest window (context + future = {longest}); "
             "add documents or shorten the prompts"
         )
-    examples = []
-    for i in range(n):
+    windows = []  # (context, start, length)
+    for _ in range(n):
         context = log_uniform_length(rng, *context_tokens)
         length = context + rng.randint(*future_tokens)
-        start = rng.randrange(0, len(stream) - length + 1)
+        start = None if disjoint else rng.randrange(0, len(stream) - length + 1)
+        windows.append((context, start, length))
+    if disjoint:
+        spare = len(stream) - sum(length for _, _, length in windows)
+        if spare < 0:
+            raise ValueError(
+                f"the text has {len(stream)} tokens, fewer than {n} disjoint windows need "
+                f"({len(stream) - spare}); add documents, cut fewer windows or shorten them"
+            )
+        # The spare tokens fall into n + 1 random gaps around the windows, kept in stream order.
+        gaps, used, placed = sorted(rng.randint(0, spare) for _ in range(n)), 0, []
+        for gap, (context, _, length) in zip(gaps, windows, strict=True):
+            placed.append((context, gap + used, length))
+            used += length
+        windows = placed
+    examples = []
+    for i, (context, start, length) in enumerate(windows):
         window = stream[start : start + length]
         examples.append(Example(f"{prefix}/{i}", prefix, start_ids + window[:context], window[context:]))
     return examples

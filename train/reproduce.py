@@ -55,8 +55,13 @@ class Recipe:
     target: str = "attention_evictable"
 
 
+# The shipped policies were collected before text windows were disjoint (train.data.text_examples).
 SMOLLM2_SHARED = dict(
-    context_tokens=(512, 4096), future_tokens=(64, 256), max_new_tokens=48, val_fraction=0.08
+    context_tokens=(512, 4096),
+    future_tokens=(64, 256),
+    max_new_tokens=48,
+    val_fraction=0.08,
+    disjoint_windows=False,
 )
 RECIPES = {
     "smollm2": Recipe(
@@ -96,6 +101,7 @@ RECIPES = {
                 val_fraction=0.1,
                 model="gemma3-270m",
                 seed=0,
+                disjoint_windows=False,
             ),
         ),
         hidden_dim=32,
