@@ -675,6 +675,9 @@ def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, es
     for a, b in zip(first[-3:], second[-3:], strict=True):
         assert a["policies"]["mine"] != b["policies"]["mine"]
         assert a["nll"]["knorm@0.25"] == b["nll"]["knorm@0.25"]
+    run.budgets = [0.25]  # new weights scored at one budget: the old weights' other budget is dropped
+    third = policy_scores(2)[-3:]
+    assert all("mine@0.25" in r["nll"] and "mine@1" not in r["nll"] and "knorm@1" in r["nll"] for r in third)
 
 
 def test_downstream_pools_every_text_corpus_and_no_task():

@@ -191,6 +191,7 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
         if old.get("kept") != kept:  # scored with other sinks or window: nothing carries over
             old = {"nll": {}, "policies": {}}
         stale = {name for name, sha in weights.items() if old.get("policies", {}).get(name) != sha}
+        kept_nll = {k: v for k, v in old["nll"].items() if k.split("@")[0] not in stale}
         missing = {
             name: scorer
             for name, scorer in scorers.items()
@@ -203,7 +204,7 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
             "source": example.source,
             "prompt_tokens": len(example.prompt_ids),
             "future_tokens": len(example.question_ids) + len(example.future_ids or []),
-            "nll": {**old["nll"], **example_nll(model, decoder, example, missing, config.budgets)},
+            "nll": {**kept_nll, **example_nll(model, decoder, example, missing, config.budgets)},
             "policies": {**old["policies"], **weights},
             "kept": kept,
         }
