@@ -10,6 +10,7 @@ preceded by the question for question-after traces. Lengths are drawn log-unifor
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -211,11 +212,11 @@ def text_examples(
                 f"({len(stream) - spare}); add documents, cut fewer windows or shorten them"
             )
         # The spare tokens fall into n + 1 random gaps around the windows, kept in stream order.
-        gaps, used, placed = sorted(rng.randint(0, spare) for _ in range(n)), 0, []
-        for gap, (context, _, length) in zip(gaps, windows, strict=True):
-            placed.append((context, gap + used, length))
-            used += length
-        windows = placed
+        gaps = sorted(rng.randint(0, spare) for _ in range(n))
+        before = itertools.accumulate((length for _, _, length in windows), initial=0)  # n + 1 sums
+        windows = [
+            (c, gap + used, length) for gap, used, (c, _, length) in zip(gaps, before, windows, strict=False)
+        ]
     examples = []
     for i, (context, start, length) in enumerate(windows):
         window = stream[start : start + length]
