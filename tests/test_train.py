@@ -244,6 +244,42 @@ def test_text_windows_never_share_a_token():
         data.text_examples(ByteTokenizer(), documents, 300, (40, 100), (8, 20), seed=0)
 
 
+def test_collections_of_any_seed_never_train_on_a_held_out_document(tmp_path):
+    """Each collection holds out windows of the held-out documents only, so no collection's
+    training windows share text with another collection's held-out ones; the old placements did."""
+    rng = random.Random(0)
+    for i in range(40):
+        (tmp_path / f"doc{i}.txt").write_text("".join(chr(rng.randrange(33, 123)) for _ in range(300)))
+
+    def spans(examples) -> set:  # the random text repeats no 12-gram, so a shared one is shared text
+        return {tuple(ids[i : i + 12]) for e in examples for ids in [e.prompt_ids] for i in range(len(ids) - 11)}
+
+    def shared_text(**placement) -> bool:
+        train, val = set(), set()
+        for seed in range(4):
+            config = collect.CollectConfig(
+                str(tmp_path / "out"), text_files=[str(tmp_path)], text_windows=20,
+                context_tokens=(40, 100), future_tokens=(8, 20), val_fraction=0.2, seed=seed, **placement,
+            )  # fmt: skip
+            config.validate()
+            split = data.split_examples(collect.build_examples(config, ByteTokenizer()), 0.2, seed)
+            assert (len(split["train"]), len(split["val"])) == (16, 4)
+            train |= spans(split["train"])
+            val |= spans(split["val"])
+        return bool(train & val)
+
+    assert not shared_text()
+    assert shared_text(held_out_documents=False)
+    assert shared_text(held_out_documents=False, disjoint_windows=False)
+    with pytest.raises(ValueError, match="held_out_documents needs disjoint_windows"):
+        collect.CollectConfig("out", disjoint_windows=False).validate()
+    with pytest.raises(ValueError, match="text-held-out windows: no text documents"):
+        config = collect.CollectConfig(
+            "out", text_files=[str(tmp_path)], text_windows=20, context_tokens=(40, 100), val_fraction=1e-6
+        )
+        collect.build_examples(config, ByteTokenizer())
+
+
 def test_hf_dataset_offline_error(monkeypatch):
     pytest.importorskip("datasets")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -574,13 +610,21 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     with pytest.raises(ValueError, match="windows: unknown corpus"):
         collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
 
-    # Gemma's recipe: plain prompts of its own model, traced up to 8K, the paper's target.
-    (gemma,) = reproduce.collect_configs(tmp_path, "gemma3-270m")
-    assert gemma.model == "gemma3-270m" and gemma.context_tokens == (512, 8192)
-    assert gemma.synthetic + gemma.synthetic_after + sum(gemma.windows.values()) == 140
+    # Gemma's recipe: plain prompts of its own model, traced up to 8K, four collections of which
+    # each holds out its own windows; value-weighted attention target, recency positions.
+    gemmas = reproduce.collect_configs(tmp_path, "gemma3-270m")
+    for config in gemmas:
+        config.validate()
+        assert config.model == "gemma3-270m" and not config.disjoint_windows
+    assert [c.seed for c in gemmas] == [0, 1, 2, 3]
+    assert [c.synthetic + c.synthetic_after + sum(c.windows.values()) for c in gemmas] == [140, 70, 130, 130]
+    assert len({name for c in gemmas for name in (c.train_name, c.val_name)}) == 8
     gemma_fit = reproduce.fit_config(tmp_path, tmp_path / "fit", model="gemma3-270m")
     gemma_fit.validate()
-    assert (gemma_fit.target, gemma_fit.hidden_dim, gemma_fit.train_split) == ("attention", 32, "train")
+    assert (gemma_fit.target, gemma_fit.hidden_dim) == ("value_attention_evictable", 64)
+    assert (gemma_fit.position_strategy, gemma_fit.steps) == ("recency", 400)
+    assert gemma_fit.train_split == "train+train_more+train_c+train_d"
+    assert gemma_fit.val_split == "val+val_more+val_c+val_d"
 
 
 # ---------------------------------------------------------------- downstream validation

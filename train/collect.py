@@ -24,10 +24,12 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -40,7 +42,7 @@ from kvp_cache.compat import attention_shape, cache_kwarg, evicting_layer_indice
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.scorers import make_scorer, methods
 from train import data
-from train.corpora import CORPORA, DEFAULT_ESSAYS, documents
+from train.corpora import CORPORA, DEFAULT_ESSAYS, Keep, documents, keep_all
 from train.targets import future_attention, value_output_norms
 from train.traces import shard_dir, shard_done, write_shard
 
@@ -56,8 +58,9 @@ class CollectConfig:
 
     context_tokens / future_tokens: ``(low, high)``; prompts are log-uniform, text continuations
     uniform in the range (``low == high``: fixed). windows: corpus name -> number of text windows.
-    disjoint_windows (no flag): ``False`` only to rebuild collections made before text windows were
-    disjoint (``train.data.text_examples``).
+    disjoint_windows, held_out_documents (no flags): ``False`` only to rebuild collections made
+    before text windows were disjoint (``train.data.text_examples``), and before held-out windows
+    came only from held-out documents (:func:`text_windows`).
     """
 
     out: str
@@ -85,6 +88,7 @@ class CollectConfig:
     shard_size: int = 8
     seed: int = 0
     disjoint_windows: bool = True
+    held_out_documents: bool = True
 
     def validate(self) -> None:
         if self.task_future not in TASK_FUTURES:
@@ -105,6 +109,8 @@ class CollectConfig:
                 raise ValueError(f"{name} must be >= 0, got {count}")
         if self.shard_size < 1 or self.max_new_tokens < 1:
             raise ValueError("shard_size and max_new_tokens must be >= 1")
+        if self.held_out_documents and not self.disjoint_windows:
+            raise ValueError("held_out_documents needs disjoint_windows (windows cut without overlap)")
 
 
 def query_aware_methods() -> list[str]:
@@ -311,13 +317,10 @@ def build_examples(config: CollectConfig, tokenizer, chat: bool = True) -> list[
                     chat=chat,
                 )
             )
-    window_tokens = config.context_tokens[1] + config.future_tokens[1]
     for offset, (corpus, count) in enumerate(sorted(config.windows.items())):
         if count:
-            texts = documents(
-                corpus, config.seed, count * window_tokens * CHARS_PER_TOKEN_READ, config.essays_dir
-            )
-            groups.append(text_windows(config, tokenizer, texts, count, config.seed + offset, corpus))
+            read = partial(documents, corpus, config.seed, essays_dir=config.essays_dir)
+            groups += text_windows(config, tokenizer, read, count, config.seed + offset, corpus)
     if config.text_windows:
         texts = []
         if config.text_files:
@@ -326,7 +329,11 @@ def build_examples(config: CollectConfig, tokenizer, chat: bool = True) -> list[
             texts += data.hf_dataset_texts(config.hf_dataset, config.hf_split, config.jsonl_field)
         if not texts:
             raise ValueError("text_windows needs text_files or hf_dataset")
-        groups.append(text_windows(config, tokenizer, texts, config.text_windows, config.seed + 7, "text"))
+
+        def read(max_chars: int, keep: Keep = keep_all) -> list[str]:
+            return [text for text in texts if keep(text)]
+
+        groups += text_windows(config, tokenizer, read, config.text_windows, config.seed + 7, "text")
     examples = list(data.interleave(*groups))
     if not examples:
         raise ValueError(
@@ -335,17 +342,35 @@ def build_examples(config: CollectConfig, tokenizer, chat: bool = True) -> list[
     return examples
 
 
-def text_windows(config: CollectConfig, tokenizer, texts: list[str], count: int, seed: int, name: str):
-    return data.text_examples(
-        tokenizer,
-        texts,
-        count,
-        config.context_tokens,
-        config.future_tokens,
-        seed,
-        name,
-        config.disjoint_windows,
-    )
+def text_windows(
+    config: CollectConfig, tokenizer, read: Callable[..., list[str]], count: int, seed: int, name: str
+) -> list[list[data.Example]]:
+    """``count`` windows of one source, as groups of examples; ``read(max_chars, keep)`` gives its
+    documents.
+
+    With ``held_out_documents``, ``ceil(val_fraction * count)`` windows are cut from the documents
+    :func:`data.is_held_out_document` holds out and marked held out; the rest from the other ones.
+    """
+
+    def cut(n: int, keep: Keep = keep_all, prefix: str = name) -> list[data.Example]:
+        window_tokens = config.context_tokens[1] + config.future_tokens[1]
+        texts = read(n * window_tokens * CHARS_PER_TOKEN_READ, keep=keep) if n else []
+        try:
+            examples = data.text_examples(
+                tokenizer, texts, n, config.context_tokens, config.future_tokens, seed, name,
+                config.disjoint_windows,
+            )  # fmt: skip
+        except ValueError as error:
+            raise ValueError(f"{prefix} windows: {error}") from None
+        return [replace(e, uid=e.uid.replace(name, prefix, 1)) for e in examples]
+
+    if not config.held_out_documents:
+        return [cut(count)]
+    n_val = math.ceil(config.val_fraction * count)
+    held = partial(data.is_held_out_document, val_fraction=config.val_fraction)
+    train = cut(count - n_val, lambda text: not held(text))
+    val = cut(n_val, held, f"{name}-held-out")
+    return [[replace(e, held_out=False) for e in train], [replace(e, held_out=True) for e in val]]
 
 
 def collect(config: CollectConfig, model=None, tokenizer=None, device: str = "cpu") -> Path:

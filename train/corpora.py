@@ -19,7 +19,7 @@ import importlib.metadata
 import importlib.util
 import random
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from eval.corpora import is_held_out, refuse_held_out
@@ -28,6 +28,12 @@ DEFAULT_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_e
 # Files past this size are mostly generated tables or vendored bundles, not code people write.
 MAX_FILE_BYTES = 200_000
 MIN_DOCUMENT_CHARS = 500
+
+Keep = Callable[[str], bool]  # which documents a reader takes
+
+
+def keep_all(text: str) -> bool:
+    return True
 
 
 def site_packages() -> Path:
@@ -54,22 +60,22 @@ def code_files(suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
     ]
 
 
-def essays(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+def essays(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     refuse_held_out([essays_dir])
     files = sorted(Path(essays_dir).glob("*.txt"))
     if not files:
         raise FileNotFoundError(f"--essays-dir {essays_dir} holds no *.txt essays")
-    return _read(files, rng, max_chars)
+    return _read(files, rng, max_chars, keep)
 
 
-def code(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+def code(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     files = code_files()
     if not files:
         raise FileNotFoundError(f"no third-party Python source under {site_packages()}")
-    return _read(files, rng, max_chars)
+    return _read(files, rng, max_chars, keep)
 
 
-def native_code(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+def native_code(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     by_package: dict[str, list[Path]] = {}
     for path in code_files(NATIVE_SUFFIXES):
         by_package.setdefault(path.relative_to(site_packages()).parts[0], []).append(path)
@@ -78,10 +84,10 @@ def native_code(essays_dir: str | Path, rng: random.Random, max_chars: int | Non
     queues = [rng.sample(files, len(files)) for _, files in sorted(by_package.items())]
     rng.shuffle(queues)
     round_robin = [queue[i] for i in range(max(map(len, queues))) for queue in queues if i < len(queue)]
-    return _read(round_robin, None, max_chars)
+    return _read(round_robin, None, max_chars, keep)
 
 
-def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     texts = []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
         if is_held_out(dist.metadata["Name"] or ""):
@@ -90,10 +96,10 @@ def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> l
         if len(text) >= MIN_DOCUMENT_CHARS:
             texts.append(text)
     rng.shuffle(texts)
-    return _take(texts, max_chars)
+    return _take(texts, max_chars, keep)
 
 
-def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None) -> list[str]:
+def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     import yaml
 
     spec = importlib.util.find_spec("chatterbot_corpus")
@@ -110,10 +116,10 @@ def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None) 
             turns.append("")
         texts.append("\n".join(turns))
     rng.shuffle(texts)
-    return _take(texts, max_chars)
+    return _take(texts, max_chars, keep)
 
 
-CORPORA: dict[str, Callable[[str | Path, random.Random, int | None], list[str]]] = {
+CORPORA: dict[str, Callable[[str | Path, random.Random, int | None, Keep], list[str]]] = {
     "essays": essays,
     "code": code,
     "native_code": native_code,
@@ -122,35 +128,43 @@ CORPORA: dict[str, Callable[[str | Path, random.Random, int | None], list[str]]]
 }
 
 
-def documents(name: str, seed: int, max_chars: int | None = None, essays_dir: str | Path = DEFAULT_ESSAYS):
-    """Documents of corpus ``name`` in a seeded order, stopping once ``max_chars`` are read (None: all)."""
+def documents(
+    name: str,
+    seed: int,
+    max_chars: int | None = None,
+    essays_dir: str | Path = DEFAULT_ESSAYS,
+    keep: Keep | None = None,
+) -> list[str]:
+    """Documents of corpus ``name`` in a seeded order, stopping once ``max_chars`` are read (None: all).
+
+    keep: only documents it accepts are read and counted (one side of a held-out split).
+    """
     if name not in CORPORA:
         raise ValueError(f"corpus must be one of {sorted(CORPORA)}, got {name!r}")
-    return CORPORA[name](essays_dir, random.Random(f"{name}/{seed}"), max_chars)
+    return CORPORA[name](essays_dir, random.Random(f"{name}/{seed}"), max_chars, keep or keep_all)
 
 
-def _read(files: list[Path], rng: random.Random | None, max_chars: int | None) -> list[str]:
+def _read(files: list[Path], rng: random.Random | None, max_chars: int | None, keep: Keep) -> list[str]:
     """Read ``files`` in a seeded shuffle (``rng``) or in their order (None) up to ``max_chars``."""
     order = list(files)
     if rng is not None:
         rng.shuffle(order)
-    texts, total = [], 0
-    for path in order:
-        if max_chars is not None and total >= max_chars:
-            break
-        refuse_held_out([path])
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if text.strip():
-            texts.append(text)
-            total += len(text)
-    return texts
+
+    def texts() -> Iterator[str]:
+        for path in order:
+            refuse_held_out([path])
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+    return _take(texts(), max_chars, keep)
 
 
-def _take(texts: list[str], max_chars: int | None) -> list[str]:
+def _take(texts: Iterable[str], max_chars: int | None, keep: Keep) -> list[str]:
+    """The non-blank texts ``keep`` accepts, in order, until ``max_chars`` are taken."""
     out, total = [], 0
     for text in texts:
         if max_chars is not None and total >= max_chars:
             break
-        out.append(text)
-        total += len(text)
+        if text.strip() and keep(text):
+            out.append(text)
+            total += len(text)
     return out

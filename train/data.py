@@ -10,6 +10,7 @@ preceded by the question for question-after traces. Lengths are drawn log-unifor
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -37,6 +38,8 @@ class Example:
         None = the model's greedy answer.
     sample: the RULER sample, so ``collect`` can check that the full cache answers it.
     info: small JSON-able facts kept in the shard metadata (answers, corpus).
+    held_out: fixed by the documents the example was cut from (:func:`is_held_out_document`);
+        None lets :func:`split_examples` choose.
     """
 
     uid: str
@@ -46,6 +49,7 @@ class Example:
     question_ids: list[int] = field(default_factory=list)
     sample: ruler.Sample | None = None
     info: dict = field(default_factory=dict)
+    held_out: bool | None = None
 
 
 def log_uniform_length(rng: random.Random, low: int, high: int) -> int:
@@ -232,17 +236,28 @@ def leading_special_ids(tokenizer) -> list[int]:
 
 
 def split_examples(examples: list[Example], val_fraction: float, seed: int) -> dict[str, list[Example]]:
-    """Seeded per-sample split into ``{"train": [...], "val": [...]}`` (order within a split kept)."""
+    """Split into ``{"train": [...], "val": [...]}`` (order within a split kept).
+
+    Examples whose side is fixed (``held_out``) keep it; of the others a seeded permutation holds
+    out ``ceil(val_fraction * n)``.
+    """
     if not 0.0 <= val_fraction <= 1.0:
         raise ValueError(f"val_fraction must be in [0, 1], got {val_fraction}")
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    n_val = math.ceil(val_fraction * len(examples)) if val_fraction > 0 else 0
-    val = set(order[:n_val])
+    free = [i for i, e in enumerate(examples) if e.held_out is None]
+    random.Random(seed).shuffle(free)
+    n_val = math.ceil(val_fraction * len(free)) if val_fraction > 0 else 0
+    val = set(free[:n_val]) | {i for i, e in enumerate(examples) if e.held_out}
     return {
         "train": [e for i, e in enumerate(examples) if i not in val],
         "val": [e for i, e in enumerate(examples) if i in val],
     }
+
+
+def is_held_out_document(text: str, val_fraction: float) -> bool:
+    """Whether a document is held out, by its text alone: the same answer in every collection, so
+    no collection of any seed trains on a document another one validates on."""
+    digest = hashlib.sha256(text.encode("utf-8", errors="replace")).digest()
+    return int.from_bytes(digest[:8], "big") < val_fraction * 2**64
 
 
 def interleave(*groups: list[Example]) -> Iterator[Example]:

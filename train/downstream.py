@@ -75,8 +75,9 @@ def held_out_examples(traces: str | Path, split: str, tokenizer) -> list[Example
     Examples the full cache answered wrong were skipped by ``collect`` and are left out here too.
     """
     settings = json.loads((Path(traces) / split / "collect.json").read_text())["settings"]
-    # Collections recorded before windows were disjoint placed each window independently.
-    config = CollectConfig(out=str(traces), **{"disjoint_windows": False, **settings})
+    # Collections recorded before these settings placed each window independently anywhere.
+    legacy = {"disjoint_windows": False, "held_out_documents": False}
+    config = CollectConfig(out=str(traces), **{**legacy, **settings})
     named = split_examples(build_examples(config, tokenizer), config.val_fraction, config.seed)
     named = {config.train_name: named["train"], config.val_name: named["val"]}
     if split not in named:

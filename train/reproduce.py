@@ -53,15 +53,28 @@ class Recipe:
     collections: tuple[dict, ...]
     hidden_dim: int
     target: str = "attention_evictable"
+    position_strategy: str = "scale"
+    steps: int = 200
 
 
-# The shipped policies were collected before text windows were disjoint (train.data.text_examples).
+# The shipped policies were collected before text windows were disjoint (train.data.text_examples)
+# and before held-out windows came from held-out documents (train.collect.text_windows).
 SMOLLM2_SHARED = dict(
     context_tokens=(512, 4096),
     future_tokens=(64, 256),
     max_new_tokens=48,
     val_fraction=0.08,
     disjoint_windows=False,
+    held_out_documents=False,
+)
+GEMMA_SHARED = dict(
+    model="gemma3-270m",
+    tasks=["niah_single", "niah_multiquery"],
+    future_tokens=(64, 256),
+    max_new_tokens=48,
+    val_fraction=0.1,
+    disjoint_windows=False,
+    held_out_documents=False,
 )
 RECIPES = {
     "smollm2": Recipe(
@@ -93,19 +106,37 @@ RECIPES = {
             dict(
                 synthetic=30,
                 synthetic_after=15,
-                tasks=["niah_single", "niah_multiquery"],
                 windows={"essays": 35, "code": 35, "docs": 25},
                 context_tokens=(512, 8192),
-                future_tokens=(64, 256),
-                max_new_tokens=48,
-                val_fraction=0.1,
-                model="gemma3-270m",
                 seed=0,
-                disjoint_windows=False,
+                **GEMMA_SHARED,
+            ),
+            dict(
+                windows={"dialogue": 30, "native_code": 40},
+                context_tokens=(512, 4096),
+                train_name="train_more",
+                val_name="val_more",
+                seed=1,
+                **GEMMA_SHARED,
+            ),
+            *(
+                dict(
+                    synthetic=20,
+                    synthetic_after=10,
+                    windows={"code": 40, "docs": 30, "native_code": 30},
+                    context_tokens=(512, 8192),
+                    train_name=f"train_{name}",
+                    val_name=f"val_{name}",
+                    seed=seed,
+                    **GEMMA_SHARED,
+                )
+                for name, seed in (("c", 2), ("d", 3))
             ),
         ),
-        hidden_dim=32,
-        target="attention",
+        hidden_dim=64,
+        target="value_attention_evictable",
+        position_strategy="recency",
+        steps=400,
     ),
 }
 
@@ -126,12 +157,12 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str =
         str(out),
         objective=objective,
         target=recipe.target,
-        steps=200,
+        steps=recipe.steps,
         batch_size=8,
         eval_every=25,
         warmup=10,
         lr=3e-3,
-        position_strategy="scale",
+        position_strategy=recipe.position_strategy,
         max_positions=128,
         hidden_dim=recipe.hidden_dim,
         train_split="+".join(c.train_name for c in collections),
