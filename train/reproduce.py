@@ -21,12 +21,16 @@ The recipes (:data:`RECIPES`):
   attention with the always-kept sinks and window left out), 64 hidden units. 80 + 17 minutes of
   collection (22.2 GB of traces), 45 of fitting, ~20 of downstream evaluation on 2 shared cores
   (docs/training_report.md).
-- ``gemma3-270m``: plain prompts (a base model), 10% held out, one collection of 140 candidates of
-  512-8192 tokens (35 essays, 35 Python code, 25 docs; 30 ``niah_single``/``niah_multiquery``
-  prompts with the question inside, 15 asked after). Only its 3 global layers are traced and
-  fitted. ListNet on the paper's ``attention`` target, 32 hidden units. 53 minutes of collection
-  (0.9 GB), 2 of fitting (docs/training_report_gemma3.md; more data and other targets were tried
-  and not shipped, same report).
+- ``gemma3-270m``: plain prompts (a base model), 10% held out, four collections (380 training
+  traces kept of 470 candidates): the first of 140 candidates of 512-8192 tokens (35 essays, 35
+  Python code, 25 docs; 30 ``niah_single``/``niah_multiquery`` prompts with the question inside,
+  15 asked after); ``train_more``/``val_more``, 70 windows of 512-4096 tokens (30 dialogue, 40
+  native code); ``train_c``/``val_c`` and ``train_d``/``val_d``, 130 candidates each (40 code, 30
+  docs, 30 native code, 20 + 10 needle prompts). Only its 3 global layers are traced and fitted.
+  ListNet on ``value_attention_evictable`` (future attention weighted by the value norms, the
+  always-kept tokens left out), 64 hidden units, ``recency`` positions, 400 steps. About 2.5 hours
+  of collection (53 + 11 + 41 + 44 min, 2.9 GB) and 13 minutes of fitting on 2 shared cores
+  (docs/training_report_gemma3.md, which also holds what was tried and not shipped).
 """
 
 from __future__ import annotations
