@@ -252,7 +252,9 @@ def test_collections_of_any_seed_never_train_on_a_held_out_document(tmp_path):
         (tmp_path / f"doc{i}.txt").write_text("".join(chr(rng.randrange(33, 123)) for _ in range(300)))
 
     def spans(examples) -> set:  # the random text repeats no 12-gram, so a shared one is shared text
-        return {tuple(ids[i : i + 12]) for e in examples for ids in [e.prompt_ids] for i in range(len(ids) - 11)}
+        return {
+            tuple(ids[i : i + 12]) for e in examples for ids in [e.prompt_ids] for i in range(len(ids) - 11)
+        }
 
     def shared_text(**placement) -> bool:
         train, val = set(), set()

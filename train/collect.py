@@ -342,6 +342,23 @@ def build_examples(config: CollectConfig, tokenizer, chat: bool = True) -> list[
     return examples
 
 
+def split_collection(config: CollectConfig, tokenizer) -> dict[str, list[data.Example]]:
+    """The collection's examples by split name: ``{train_name: [...], val_name: [...]}``."""
+    examples = build_examples(config, tokenizer, uses_chat(config.model, tokenizer))
+    splits = data.split_examples(examples, config.val_fraction, config.seed)
+    return {config.train_name: splits["train"], config.val_name: splits["val"]}
+
+
+# What the settings added since the first collections were, for a collect.json without them.
+LEGACY_SETTINGS = {"disjoint_windows": False, "held_out_documents": False}
+
+
+def recorded_config(traces: str | Path, split: str) -> CollectConfig:
+    """The settings ``traces/split`` was collected with (its ``collect.json``)."""
+    settings = json.loads((Path(traces) / split / "collect.json").read_text())["settings"]
+    return CollectConfig(out=str(traces), **{**LEGACY_SETTINGS, **settings})
+
+
 def text_windows(
     config: CollectConfig, tokenizer, read: Callable[..., list[str]], count: int, seed: int, name: str
 ) -> list[list[data.Example]]:
@@ -383,9 +400,7 @@ def collect(config: CollectConfig, model=None, tokenizer=None, device: str = "cp
     torch.manual_seed(config.seed)
     if model is None:
         model, tokenizer = load_model(config.model, device=device)
-    examples = build_examples(config, tokenizer, uses_chat(config.model, tokenizer))
-    splits = data.split_examples(examples, config.val_fraction, config.seed)
-    named = {config.train_name: splits["train"], config.val_name: splits["val"]}
+    named = split_collection(config, tokenizer)
     scored = {"val": {config.val_name}, "all": set(named), "none": set()}[config.query_scores]
     settings = {k: v for k, v in asdict(config).items() if k != "out"}
     settings = json.loads(json.dumps(settings))  # tuples -> lists, as read back from collect.json

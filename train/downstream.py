@@ -36,9 +36,9 @@ from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
 from kvp_cache.scorers import make_scorer
 from kvp_cache.tables import markdown_table
-from train.collect import CollectConfig, build_examples
+from train.collect import recorded_config, split_collection
 from train.corpora import CORPORA
-from train.data import Example, split_examples
+from train.data import Example
 from train.evaluate import parse_policies
 from train.traces import TraceSplit
 
@@ -74,12 +74,8 @@ def held_out_examples(traces: str | Path, split: str, tokenizer) -> list[Example
 
     Examples the full cache answered wrong were skipped by ``collect`` and are left out here too.
     """
-    settings = json.loads((Path(traces) / split / "collect.json").read_text())["settings"]
-    # Collections recorded before these settings placed each window independently anywhere.
-    legacy = {"disjoint_windows": False, "held_out_documents": False}
-    config = CollectConfig(out=str(traces), **{**legacy, **settings})
-    named = split_examples(build_examples(config, tokenizer), config.val_fraction, config.seed)
-    named = {config.train_name: named["train"], config.val_name: named["val"]}
+    config = recorded_config(traces, split)
+    named = split_collection(config, tokenizer)
     if split not in named:
         raise ValueError(f"split must be {config.train_name!r} or {config.val_name!r}, got {split!r}")
     traced = TraceSplit(traces, split).samples
@@ -167,9 +163,9 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
 
     model / tokenizer: the collection's (default: loaded from its ``collect.json``).
     """
-    settings = json.loads((Path(config.traces) / config.split / "collect.json").read_text())["settings"]
+    collection = recorded_config(config.traces, config.split)
     if model is None:
-        model, tokenizer = load_model(settings["model"])
+        model, tokenizer = load_model(collection.model)
     examples = held_out_examples(config.traces, config.split, tokenizer)
     examples = examples[: config.limit] if config.limit else examples
     policies = parse_policies(config.policy)
@@ -217,7 +213,7 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
     rows = summary_rows(records, names, config.budgets)
     first = next(iter(policies.values()), None)
     result = {
-        "provenance": provenance(settings["model"], str(next(model.parameters()).dtype), "cpu", policy=first),
+        "provenance": provenance(collection.model, str(next(model.parameters()).dtype), "cpu", policy=first),
         "policies": {name: policy_record(policy) for name, policy in policies.items()},
         "traces": str(config.traces),
         "split": config.split,
