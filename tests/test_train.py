@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvp_cache.policy import HeadAgents, KVPolicy, load_policy
-from train import collect, data, evaluate, fit, reward, rl
+from train import collect, corpora, data, evaluate, fit, reward, rl
 from train.batch import Batch
 from train.traces import TraceSplit, shard_dir, write_shard
 
@@ -161,7 +161,6 @@ def test_corpora_refuse_held_out_text():
     import json as stdlib_json
 
     from eval.corpora import CORPORA, is_held_out
-    from train import corpora
 
     with pytest.raises(ValueError, match="held out|standard library"):
         data.read_text_files([stdlib_json.__file__])
@@ -180,6 +179,23 @@ def test_corpora_refuse_held_out_text():
     assert corpora.documents("native_code", seed=0, max_chars=20_000)
     with pytest.raises(ValueError, match="corpus must be one of"):
         corpora.documents("stdlib", seed=0)
+
+
+def test_dialogue_is_held_out_by_conversation():
+    """The dialogue corpus has 21 topic files; a held-out split takes whole conversations from all of them."""
+    pytest.importorskip("chatterbot_corpus")
+
+    def held(text: str) -> bool:
+        return data.is_held_out_document(text, 0.1)
+
+    topics = corpora.conversations()
+    everything = [c for topic in topics for c in topic]
+    assert len(topics) == 21 and len(everything) > 1000
+    assert 0.05 < sum(map(held, everything)) / len(everything) < 0.15
+    for keep in (held, lambda text: not held(text)):
+        side = {"\n".join(c for c in topic if keep(c)) for topic in topics} - {""}
+        assert sorted(corpora.documents("dialogue", seed=0, keep=keep)) == sorted(side)
+        assert len(side) >= 15  # conversations of most topics, not a few whole topics
 
 
 def test_log_uniform_lengths_and_synthetic_examples(essays_dir):

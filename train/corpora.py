@@ -5,7 +5,8 @@
 - ``native_code``: their C, C++, CUDA, Cython and JavaScript source, taken round-robin over packages
   (one package's headers would otherwise be nearly all of it);
 - ``docs``: the long descriptions (READMEs) of the installed distributions (documentation);
-- ``dialogue``: the English conversations of the ``chatterbot-corpus`` package.
+- ``dialogue``: the English conversations of the ``chatterbot-corpus`` package (a held-out split
+  keeps or leaves whole conversations, not whole topic files).
 
 Never training data: what ``eval.corpora`` holds out (the benchmark's corpora, the Python standard
 library and ``/usr/share``). Packages and distributions it names are left out of ``code`` and
@@ -99,24 +100,33 @@ def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep
     return _take(texts, max_chars, keep)
 
 
-def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+def conversations() -> list[list[str]]:
+    """The English conversations of ``chatterbot-corpus``, a list per topic file (in name order),
+    each as ``"User: ...\nAssistant: ...\n"`` text."""
     import yaml
 
     spec = importlib.util.find_spec("chatterbot_corpus")
     if spec is None or spec.origin is None:
         raise ModuleNotFoundError("the dialogue corpus needs: pip install --no-deps chatterbot-corpus")
-    texts = []
+    speakers = ("User", "Assistant")
+    topics = []
     for path in sorted((Path(spec.origin).parent / "data" / "english").glob("*.yml")):
         refuse_held_out([path])
         record = yaml.safe_load(path.read_text(encoding="utf-8"))
-        turns = []
-        for conversation in record.get("conversations", []):
-            speakers = ("User", "Assistant")
-            turns += [f"{speakers[i % 2]}: {str(line).strip()}" for i, line in enumerate(conversation)]
-            turns.append("")
-        texts.append("\n".join(turns))
+        topics.append(
+            [
+                "".join(f"{speakers[i % 2]}: {str(line).strip()}\n" for i, line in enumerate(conversation))
+                for conversation in record.get("conversations", [])
+            ]
+        )
+    return topics
+
+
+def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+    # A topic file holds a hundred conversations: ``keep`` takes or leaves each conversation.
+    texts = ["\n".join(c for c in topic if keep(c)) for topic in conversations()]
     rng.shuffle(texts)
-    return _take(texts, max_chars, keep)
+    return _take(texts, max_chars, keep_all)
 
 
 CORPORA: dict[str, Callable[[str | Path, random.Random, int | None, Keep], list[str]]] = {
