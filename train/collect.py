@@ -369,25 +369,28 @@ def text_windows(
     :func:`data.is_held_out_document` holds out and marked held out; the rest from the other ones.
     """
 
-    def cut(n: int, keep: Keep = keep_all, prefix: str = name) -> list[data.Example]:
+    def cut(
+        n: int, keep: Keep = keep_all, prefix: str = name, held_out: bool | None = None
+    ) -> list[data.Example]:
         window_tokens = config.context_tokens[1] + config.future_tokens[1]
         texts = read(n * window_tokens * CHARS_PER_TOKEN_READ, keep=keep) if n else []
         try:
             examples = data.text_examples(
-                tokenizer, texts, n, config.context_tokens, config.future_tokens, seed, name,
+                tokenizer, texts, n, config.context_tokens, config.future_tokens, seed, prefix,
                 config.disjoint_windows,
             )  # fmt: skip
         except ValueError as error:
             raise ValueError(f"{prefix} windows: {error}") from None
-        return [replace(e, uid=e.uid.replace(name, prefix, 1)) for e in examples]
+        return [replace(e, source=name, held_out=held_out) for e in examples]
 
     if not config.held_out_documents:
         return [cut(count)]
     n_val = math.ceil(config.val_fraction * count)
     held = partial(data.is_held_out_document, val_fraction=config.val_fraction)
-    train = cut(count - n_val, lambda text: not held(text))
-    val = cut(n_val, held, f"{name}-held-out")
-    return [[replace(e, held_out=False) for e in train], [replace(e, held_out=True) for e in val]]
+    return [
+        cut(count - n_val, lambda text: not held(text), held_out=False),
+        cut(n_val, held, f"{name}-held-out", held_out=True),
+    ]
 
 
 def collect(config: CollectConfig, model=None, tokenizer=None, device: str = "cpu") -> Path:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvp_cache.policy import POLICIES_DIR
-from train.collect import CollectConfig, collect
+from train.collect import LEGACY_SETTINGS, CollectConfig, collect
 from train.downstream import DownstreamConfig, run_downstream
 from train.evaluate import EvaluateConfig, run_evaluation
 from train.fit import FitConfig, fit
@@ -62,8 +62,7 @@ SMOLLM2_SHARED = dict(
     future_tokens=(64, 256),
     max_new_tokens=48,
     val_fraction=0.08,
-    disjoint_windows=False,
-    held_out_documents=False,
+    **LEGACY_SETTINGS,
 )
 RECIPES = {
     "smollm2": Recipe(
@@ -103,8 +102,7 @@ RECIPES = {
                 val_fraction=0.1,
                 model="gemma3-270m",
                 seed=0,
-                disjoint_windows=False,
-                held_out_documents=False,
+                **LEGACY_SETTINGS,
             ),
         ),
         hidden_dim=32,
