@@ -17,7 +17,9 @@ definition above written out one head and one row at a time, the yardstick the f
 tested against.
 
 Positions are the index of a token among its row's real tokens (0..n-1). ``position_strategy``
-says what happens past the embedding table (see :data:`POSITION_STRATEGIES`).
+says what happens past the embedding table (see :data:`POSITION_STRATEGIES`). ``trained_length``
+(the longest training prompt, when known) caps what any strategy reads at the last row training
+reached: rows past it never received a gradient and hold their random initialization.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def check_positive_int(name: str, value: Any) -> None:
     """Raise ``ValueError`` unless ``value`` is an int >= 1 (bools refused)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def check_trained_length(value: Any) -> None:
+    """Raise ``ValueError`` unless ``value`` is None or an int >= 1."""
+    if value is not None:
+        check_positive_int("trained_length", value)
 
 
 def check_position_strategy(value: Any) -> None:
@@ -140,7 +148,9 @@ class HeadAgents(nn.Module):
         pos_dim: size of the position embedding.
         max_positions: rows of the position embedding table.
         num_mlp_layers: Linear/LayerNorm/SiLU blocks before the output layer (>= 1).
-        position_strategy: "clamp" or "scale", see :data:`POSITION_STRATEGIES`.
+        position_strategy: "clamp", "scale" or "recency", see :data:`POSITION_STRATEGIES`.
+        trained_length: the longest training prompt in tokens, or None (unknown: every row is read);
+            see :meth:`last_trained_row`.
     """
 
     def __init__(
@@ -152,6 +162,7 @@ class HeadAgents(nn.Module):
         max_positions: int,
         num_mlp_layers: int,
         position_strategy: str,
+        trained_length: int | None = None,
     ):
         super().__init__()
         for name, value in (
@@ -164,8 +175,9 @@ class HeadAgents(nn.Module):
         ):
             check_positive_int(name, value)
         check_position_strategy(position_strategy)
+        check_trained_length(trained_length)
         self.num_heads, self.head_dim, self.max_positions = num_heads, head_dim, max_positions
-        self.position_strategy = position_strategy
+        self.position_strategy, self.trained_length = position_strategy, trained_length
         self.key_proj = StackedLinear(num_heads, head_dim, hidden_dim)
         self.key_norm = StackedLayerNorm(num_heads, hidden_dim)
         self.value_proj = StackedLinear(num_heads, head_dim, hidden_dim)
@@ -177,18 +189,30 @@ class HeadAgents(nn.Module):
         self.mlp = nn.ModuleList(MLPBlock(num_heads, widths[i], widths[i + 1]) for i in range(num_mlp_layers))
         self.out = StackedLinear(num_heads, hidden_dim, 1)
 
+    def last_trained_row(self) -> float:
+        """The highest (fractional) table row that prompts of ``trained_length`` tokens read: the
+        row of position ``trained_length - 1`` ("clamp", "scale") or of that distance ("recency").
+        Positions are read as if the table ended there. The last row when the length is unknown."""
+        last = self.max_positions - 1
+        if self.trained_length is None:
+            return float(last)
+        if self.position_strategy == "recency":
+            return min(last, math.log2(self.trained_length) * last / RECENCY_SPAN_LOG2)
+        return float(min(last, self.trained_length - 1))
+
     def table_positions(self, positions: Tensor) -> Tensor:
         """Fractional table rows ``[batch, seq]`` (float32) for token positions ``[batch, seq]`` (-1 on padding)."""
-        last = self.max_positions - 1
+        top = self.last_trained_row()
         if self.position_strategy == "recency":
             distance = (positions.amax(dim=-1, keepdim=True) - positions).clamp(min=0).float()
-            return (torch.log2(1 + distance) * (last / RECENCY_SPAN_LOG2)).clamp(max=last)
+            rows = torch.log2(1 + distance) * ((self.max_positions - 1) / RECENCY_SPAN_LOG2)
+            return rows.clamp(max=top)
         rows = positions.clamp(min=0).float()
         if self.position_strategy == "scale":
-            # n - 1 = the row's largest position; rows that fit in the table keep their exact indices.
-            span = positions.amax(dim=-1, keepdim=True).clamp(min=last).float()
-            rows = rows * (last / span)
-        return rows.clamp(max=last)
+            # n - 1 = the row's largest position; rows that fit below ``top`` keep their exact indices.
+            span = positions.amax(dim=-1, keepdim=True).float().clamp(min=max(top, 1.0))
+            rows = rows * (top / span)
+        return rows.clamp(max=top)
 
     def forward(self, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
         """Score every entry of every head.
@@ -261,7 +285,7 @@ class HeadAgents(nn.Module):
             positions.to(device),
         )
         out = torch.empty(keys.shape[:3], device=device)
-        last = self.max_positions - 1
+        last, top = self.max_positions - 1, self.last_trained_row()
 
         def layer_norm(x: Tensor, norm: StackedLayerNorm, h: int) -> Tensor:
             return F.layer_norm(x, x.shape[-1:], norm.weight[h], norm.bias[h], norm.eps)
@@ -273,11 +297,11 @@ class HeadAgents(nn.Module):
             real = positions[row] >= 0
             n = int(real.sum())
             p = positions[row].clamp(min=0).float()
-            if self.position_strategy == "scale" and n > self.max_positions:
-                p = p * last / (n - 1)
+            if self.position_strategy == "scale" and n - 1 > top:
+                p = p * top / (n - 1)
             if self.position_strategy == "recency":
                 p = torch.log2((n - p).clamp(min=1)) * last / RECENCY_SPAN_LOG2
-            p = p.clamp(max=last)
+            p = p.clamp(max=top)
             low, high = p.floor().long(), (p.floor().long() + 1).clamp(max=last)
             for h in range(keys.shape[1]):
                 table = layer_norm(self.position_table[h], self.position_norm, h)

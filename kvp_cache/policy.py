@@ -18,7 +18,13 @@ from huggingface_hub import ModelCard, PyTorchModelHubMixin
 from torch import Tensor, nn
 from transformers import PretrainedConfig
 
-from kvp_cache.agents import POSITION_STRATEGIES, HeadAgents, check_position_strategy, check_positive_int
+from kvp_cache.agents import (
+    POSITION_STRATEGIES,
+    HeadAgents,
+    check_position_strategy,
+    check_positive_int,
+    check_trained_length,
+)
 from kvp_cache.compat import attention_shape, evicting_layer_indices, text_config
 from kvp_cache.policy_card import LIBRARY_NAME, LICENSE, PAPER_URL, TAGS, check_training, model_card
 from kvp_cache.policy_loading import (
@@ -59,11 +65,13 @@ class KVPolicy(
         hidden_dim, pos_dim, max_positions, num_mlp_layers: agent sizes (see :class:`HeadAgents`).
             The defaults are sized for SmolLM2-135M (bench/bench_policy.py): scoring all heads
             of a 4K prompt costs about 1% of its prefill on CPU, and the weights take 5.8 MB.
-            Set ``max_positions`` to the training prompt length: table rows past the longest
-            training prompt are never trained, while "clamp" and "scale" both map longer
-            prompts onto trained rows.
+            Rows past the longest training prompt are never trained; ``trained_length`` keeps
+            every strategy off them.
         position_strategy: "clamp" (the paper), "scale" or "recency", see :data:`POSITION_STRATEGIES`;
             it has no weights, so it can be changed after loading (``policy.position_strategy = ...``).
+        trained_length: the longest training prompt in tokens (``train fit`` records it), or None
+            when unknown. Longer prompts read the table as if it ended at the last row training
+            reached (:meth:`HeadAgents.last_trained_row`) instead of untrained rows.
         base_model: Hub id of the LLM the policy was trained for (checked by :meth:`check_compatible`).
         training: JSON-able record of how the policy was trained, saved in config.json and shown
             on the model card. Recognised keys: ``data`` (str), ``datasets`` (list of Hub dataset
@@ -88,6 +96,7 @@ class KVPolicy(
         base_model: str = "",
         training: dict | None = None,
         layer_indices: list[int] | None = None,
+        trained_length: int | None = None,
     ):
         super().__init__()
         for name, value in (
@@ -107,8 +116,15 @@ class KVPolicy(
         self.training_info = check_training(training)
         self.layers = nn.ModuleList(
             HeadAgents(
-                num_kv_heads, head_dim, hidden_dim, pos_dim, max_positions, num_mlp_layers, position_strategy
-            )
+                num_kv_heads,
+                head_dim,
+                hidden_dim,
+                pos_dim,
+                max_positions,
+                num_mlp_layers,
+                position_strategy,
+                trained_length,
+            )  # fmt: skip
             for _ in self.layer_indices
         )
 
@@ -121,6 +137,16 @@ class KVPolicy(
         check_position_strategy(value)
         for agents in self.layers:
             agents.position_strategy = value
+
+    @property
+    def trained_length(self) -> int | None:
+        return self.layers[0].trained_length
+
+    @trained_length.setter
+    def trained_length(self, value: int | None) -> None:
+        check_trained_length(value)
+        for agents in self.layers:
+            agents.trained_length = value
 
     def agents_for(self, layer_idx: int) -> HeadAgents:
         """The agents of model layer ``layer_idx`` (one of :attr:`layer_indices`)."""
@@ -189,6 +215,7 @@ class KVPolicy(
         return architecture | {
             "layer_indices": self.layer_indices,
             "position_strategy": self.position_strategy,
+            "trained_length": self.trained_length,
             "base_model": self.base_model,
             "training": self.training_info,
             "kvp_cache_version": __version__,

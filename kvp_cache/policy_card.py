@@ -111,10 +111,13 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
         f"- agent: hidden_dim {policy.hidden_dim}, pos_dim {policy.pos_dim}, max_positions "
         f"{policy.max_positions}, num_mlp_layers {policy.num_mlp_layers}",
         f"- position_strategy `{policy.position_strategy}`: {POSITION_STRATEGIES[policy.position_strategy]}",
-        "",
-        "## Training",
-        "",
     ]
+    if policy.trained_length is not None:
+        parts.append(
+            f"- trained on prompts of up to {policy.trained_length} tokens: longer prompts read the position "
+            "table only up to the last row those prompts reached"
+        )
+    parts += ["", "## Training", ""]
     if not training:
         parts.append("No training record: this policy may be untrained.")
     else:

@@ -38,7 +38,14 @@ ARCHITECTURE_KEYS = (
     "num_mlp_layers",
 )
 # layer_indices is optional: policies saved before hybrid models were supported have agents for every layer.
-OPTIONAL_KEYS = ("layer_indices", "position_strategy", "base_model", "training", "kvp_cache_version")
+OPTIONAL_KEYS = (
+    "layer_indices",
+    "position_strategy",
+    "trained_length",
+    "base_model",
+    "training",
+    "kvp_cache_version",
+)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,6 +100,36 @@ def test_recency_reads_the_same_row_for_the_same_distance_at_every_length():
     assert not torch.allclose(long, long[..., :1].expand_as(long))
 
 
+@pytest.mark.parametrize("strategy", ["clamp", "scale", "recency"])
+def test_rows_past_the_trained_length_never_change_a_score(strategy):
+    keys, values, positions = padded_inputs([30, 9, 4], seq=30)
+    trained, scrambled = random_agents(strategy), random_agents(strategy)
+    trained.trained_length = scrambled.trained_length = 8  # the table has 12 rows
+    top = math.ceil(trained.last_trained_row())
+    assert top < 11
+    with torch.no_grad():
+        scrambled.position_table[:, top + 1 :] = torch.randn_like(scrambled.position_table[:, top + 1 :])
+    torch.testing.assert_close(trained(keys, values, positions), scrambled(keys, values, positions))
+    torch.testing.assert_close(
+        trained(keys, values, positions),
+        trained.reference_forward(keys, values, positions),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    # Without the training length those rows are read, and the scores change.
+    trained.trained_length = scrambled.trained_length = None
+    assert not torch.allclose(trained(keys, values, positions), scrambled(keys, values, positions))
+
+
+@pytest.mark.parametrize("strategy", ["clamp", "scale", "recency"])
+def test_prompts_within_the_trained_length_score_as_without_it(strategy):
+    agents = random_agents(strategy)
+    keys, values, positions = padded_inputs([8, 5], seq=8)
+    unknown = agents(keys, values, positions)
+    agents.trained_length = 8
+    torch.testing.assert_close(agents(keys, values, positions), unknown, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("strategy", ["scale", "recency"])
 def test_batched_rows_score_like_single_rows(strategy):
     agents = random_agents(strategy)
@@ -136,6 +167,7 @@ def test_every_parameter_gets_a_gradient():
         (dict(max_positions=2.5), "max_positions must be an int >= 1"),
         (dict(num_mlp_layers=0), "num_mlp_layers must be an int >= 1"),
         (dict(position_strategy="rope"), "position_strategy must be one of"),
+        (dict(trained_length=0), "trained_length must be an int >= 1"),
         (dict(num_layers=0), "num_layers must be an int >= 1"),
         (dict(training=[1]), "training must be a dict"),
         (
@@ -220,7 +252,9 @@ TRAINING = {
 
 
 def test_round_trip_through_a_directory(llama, tmp_path):
-    policy = tiny_policy(llama, base_model="someone/tiny-llama", training=TRAINING, position_strategy="scale")
+    policy = tiny_policy(
+        llama, base_model="someone/tiny-llama", training=TRAINING, position_strategy="scale", trained_length=9
+    )
     policy.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
     config = json.loads((tmp_path / "config.json").read_text())
@@ -229,6 +263,8 @@ def test_round_trip_through_a_directory(llama, tmp_path):
     assert config["base_model"] == "someone/tiny-llama" and config["training"] == TRAINING
     loaded = load_policy(tmp_path)
     assert not loaded.training and loaded.position_strategy == "scale" and loaded.training_info == TRAINING
+    assert config["trained_length"] == loaded.trained_length == 9
+    assert "prompts of up to 9 tokens" in (tmp_path / "README.md").read_text()
     keys, values, positions = padded_inputs([20, 13], seq=20)
     keys, values = keys[:, :2], values[:, :2]
     for layer in range(2):

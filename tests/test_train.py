@@ -423,6 +423,7 @@ def test_fit_improves_validation_reward_and_resumes(tmp_path):
     assert (tmp_path / "run" / "training_curves.png").stat().st_size > 1000
     policy = load_policy(policy_dir)
     assert policy.training_info["steps"] == 60 and policy.hidden_dim == 16
+    assert policy.trained_length == 48  # the longest training prompt (synthetic_traces' tokens)
     stamp = (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns
     fit.fit(config)  # every layer done: nothing retrains
     assert (tmp_path / "run" / "layers" / "layer_00.safetensors").stat().st_mtime_ns == stamp
@@ -551,7 +552,12 @@ def fit_config(root, out, **overrides):
 def test_rl_fine_tunes_from_listnet_weights(tmp_path):
     synthetic_traces(tmp_path / "traces")
     listnet_dir = fit.fit(fit_config(tmp_path / "traces", tmp_path / "listnet", objective="listnet"))
-    fit.fit(fit_config(tmp_path / "traces", tmp_path / "rl", objective="rl", init_from=str(listnet_dir)))
+    config = json.loads((listnet_dir / "config.json").read_text())
+    (listnet_dir / "config.json").write_text(json.dumps({**config, "trained_length": 500}))
+    rl_dir = fit.fit(
+        fit_config(tmp_path / "traces", tmp_path / "rl", objective="rl", init_from=str(listnet_dir))
+    )
+    assert load_policy(rl_dir).trained_length == 500  # rows the start weights reached stay trained
     for layer in range(2):
         listnet = json.loads((tmp_path / "listnet" / "layers" / f"layer_{layer:02d}.json").read_text())
         tuned = json.loads((tmp_path / "rl" / "layers" / f"layer_{layer:02d}.json").read_text())

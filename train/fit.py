@@ -260,6 +260,7 @@ def initial_policy(info: dict, config: FitConfig) -> KVPolicy:
                 f"--init-from {config.init_from} has another architecture than this fit "
                 "(hidden_dim, pos_dim, max_positions, num_mlp_layers and the model's heads must match)"
             ) from error
+        policy.trained_length = start.trained_length
     return policy
 
 
@@ -309,6 +310,8 @@ def assemble_policy(
         agents.load_state_dict(load_file(str(weights)))
         histories.append(json.loads(record.read_text()))
     info = train.model
+    # Rows reached by the start weights (--init-from) stay trained.
+    policy.trained_length = max([s["prompt_tokens"] for s in train.samples] + [policy.trained_length or 0])
     policy.training_info = {
         "data": f"{len(train)} training / {len(val)} validation traces of {info['name']} ({describe_sources(train)})",
         "steps": config.steps,
