@@ -741,6 +741,26 @@ def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, es
     assert all("mine@0.25" in r["nll"] and "mine@1" not in r["nll"] and "knorm@1" in r["nll"] for r in third)
 
 
+def test_downstream_pairs_every_method_with_the_first_on_the_same_examples():
+    from train import downstream
+
+    # b is always 0.1 worse than a, while the examples themselves spread by 0..9.
+    records = [
+        {"source": "code", "nll": {"full": 1.0, "a@0.1": 1.0 + i, "b@0.1": 1.1 + i}} for i in range(10)
+    ]
+    paired = downstream.paired_rows(records, ["a", "b"], [0.1])
+    assert [(r["source"], r["method"], r["against"]) for r in paired] == [
+        (downstream.ALL_TEXT, "b", "a"),
+        ("code", "b", "a"),
+    ]
+    assert paired[1]["nll_difference"] == pytest.approx(0.1)
+    assert paired[1]["ci95"] == pytest.approx([0.1, 0.1])
+    unpaired = {r["method"]: r["ci95"] for r in downstream.summary_rows(records, ["a", "b"], [0.1])}
+    assert unpaired["a"][1] > unpaired["b"][0]  # apart, the two intervals overlap widely
+    table = downstream.markdown_paired(paired, [0.1])
+    assert "against `a`" in table and "| code | +0.1000 (+0.1000, +0.1000) |" in table
+
+
 def test_downstream_pools_every_text_corpus_and_no_task():
     from train import downstream
     from train.corpora import CORPORA

@@ -6,14 +6,14 @@ prompt is prefilled once, compressed by every method at every budget, and the ex
 (the true continuation of a text window; the gold answer of a RULER task, after its question for
 question-after examples) is teacher-forced through each compressed cache. The score is the mean
 NLL per future token minus the full cache's, per source (``essays``, ``code``, ``niah_single``,
-``niah_single-after``, ...), with a 95% bootstrap interval.
+``niah_single-after``, ...), with a 95% bootstrap interval; and, to choose between them, every
+method's per-example difference from the first policy (or method) named, with its interval.
 
 The examples are rebuilt from the run's ``collect.json`` (deterministic given its seed) and must be
 exactly the ones the run traced in ``--split``, so they are held out from every policy fitted on
 its other split. Records go to ``downstream_<split>.jsonl`` as they finish (a rerun resumes, and
 scores only the methods, budgets and policy weights an example's record lacks, for the same sinks
-and window); the
-summary to ``downstream_<split>.{json,md}``, with provenance.
+and window); the summary to ``downstream_<split>.{json,md}``, with provenance.
 """
 
 from __future__ import annotations
@@ -116,15 +116,20 @@ def example_nll(model, decoder: AnswerDecoder, example: Example, scorers: dict, 
     return nll
 
 
-def summary_rows(records: list[dict], names: list[str], budgets: list[float]) -> list[dict]:
-    """One row per (source, method, budget): the mean NLL increase over the full cache, with its CI."""
+def source_groups(records: list[dict]) -> dict[str, list[dict]]:
+    """Records by source, plus every text corpus pooled under :data:`ALL_TEXT`; sorted by source."""
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(record["source"], []).append(record)
         if record["source"] in TEXT_SOURCES:
             groups.setdefault(ALL_TEXT, []).append(record)
+    return dict(sorted(groups.items()))
+
+
+def summary_rows(records: list[dict], names: list[str], budgets: list[float]) -> list[dict]:
+    """One row per (source, method, budget): the mean NLL increase over the full cache, with its CI."""
     rows = []
-    for source, group in sorted(groups.items()):
+    for source, group in source_groups(records).items():
         for name in names:
             for budget in budgets:
                 increase = [r["nll"][f"{name}@{budget:g}"] - r["nll"][FULL] for r in group]
@@ -139,6 +144,55 @@ def summary_rows(records: list[dict], names: list[str], budgets: list[float]) ->
                     }
                 )
     return rows
+
+
+def paired_rows(records: list[dict], names: list[str], budgets: list[float]) -> list[dict]:
+    """Every method against the first (``names[0]``) on the same examples: one row per (source,
+    method, budget) with the mean per-example NLL difference and its CI. Negative: lower loss than
+    the first. Pairing removes the spread between examples, which dominates the unpaired intervals,
+    so two policies can be told apart on a small validation split."""
+    rows = []
+    for source, group in source_groups(records).items():
+        for name in names[1:]:
+            for budget in budgets:
+                key, reference = f"{name}@{budget:g}", f"{names[0]}@{budget:g}"
+                difference = [r["nll"][key] - r["nll"][reference] for r in group]
+                rows.append(
+                    {
+                        "source": source,
+                        "method": name,
+                        "against": names[0],
+                        "budget": budget,
+                        "n": len(difference),
+                        "nll_difference": sum(difference) / len(difference),
+                        "ci95": list(bootstrap_interval(difference)),
+                    }
+                )
+    return rows
+
+
+def markdown_paired(rows: list[dict], budgets: list[float]) -> str:
+    """Sources down, methods across: the paired difference against the first method, with its CI."""
+    value = {(r["source"], r["method"], r["budget"]): r for r in rows}
+    sources = list(dict.fromkeys(r["source"] for r in rows))
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    tables = []
+    for budget in budgets:
+        body = [
+            [source]
+            + [
+                "{:+.4f} ({:+.4f}, {:+.4f})".format(
+                    value[source, name, budget]["nll_difference"], *value[source, name, budget]["ci95"]
+                )
+                for name in names
+            ]
+            for source in sources
+        ]
+        tables.append(
+            f"Budget {budget:g}: NLL difference per future token against `{rows[0]['against']}`, same "
+            "examples (95% CI); negative is better\n\n" + markdown_table(["source", *names], body)
+        )
+    return "\n\n".join(tables)
 
 
 def markdown_summary(rows: list[dict], names: list[str], budgets: list[float]) -> str:
@@ -211,6 +265,7 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
     records = [done[e.uid] for e in examples]
     names = list(scorers)
     rows = summary_rows(records, names, config.budgets)
+    paired = paired_rows(records, names, config.budgets)
     first = next(iter(policies.values()), None)
     result = {
         "provenance": provenance(collection.model, str(next(model.parameters()).dtype), "cpu", policy=first),
@@ -220,9 +275,12 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
         "sinks": config.sinks,
         "window": config.window,
         "rows": rows,
+        "paired": paired,
     }
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     table = markdown_summary(rows, names, config.budgets)
+    if paired:
+        table += "\n\n" + markdown_paired(paired, config.budgets)
     stem.with_suffix(".md").write_text(
         f"Held-out `{config.split}` examples of `{config.traces}`; sinks {config.sinks} + window "
         f"{config.window} kept. Lower is better.\n\n{table}\n"
