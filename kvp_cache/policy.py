@@ -31,6 +31,7 @@ from kvp_cache.policy_loading import (
     ARCHITECTURE_KEYS,
     CONFIG_NAME,
     POLICIES_DIR,
+    WEIGHTS_NAME,
     check_state_dict,
     is_hub_id,
     policy_files,
@@ -243,6 +244,8 @@ class KVPolicy(
         (save_directory / CONFIG_NAME).write_text(
             json.dumps(self.config_dict(), indent=2, sort_keys=True) + "\n"
         )
+        # safetensors writes owner-only (0600) files: give the weights the mode the umask gave the config.
+        (save_directory / WEIGHTS_NAME).chmod((save_directory / CONFIG_NAME).stat().st_mode & 0o777)
 
     def push_to_hub(
         self, repo_id: str, *, config: None = None, model_card_kwargs: dict | None = None, **kwargs

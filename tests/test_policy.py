@@ -257,6 +257,8 @@ def test_round_trip_through_a_directory(llama, tmp_path):
     )
     policy.save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # others can read what they can read
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["num_layers"] == 2 and config["num_kv_heads"] == 2 and config["head_dim"] == 16
     assert config["hidden_dim"] == 8 and config["position_strategy"] == "scale"
