@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,10 +79,20 @@ class OfflineModel:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = self.model_id
-        tmp = target.with_name(target.name + ".tmp")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
+        # A private staging directory, published by one atomic rename: several processes (torchrun
+        # ranks, parallel runs) may convert at once, and the first to finish wins.
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".tmp", dir=target.parent))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            staging.chmod(0o755)  # mkdtemp makes it 0700
+            staging.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").exists():
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         return target
 
     def check_tokenizer(self, tokenizer) -> None:

@@ -3,9 +3,11 @@
 import pytest
 import torch
 from reference import ForwardRecorder, reference_logits
+from transformers import AutoConfig
 
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
+from kvp_cache.models import MODELS, OfflineModel
 from kvp_cache.ruler import chat_prompt, load_haystack, make_samples
 
 pytestmark = pytest.mark.slow
@@ -58,3 +60,24 @@ def test_full_budget_identical_to_dynamic_cache(smollm2, needle_prompt):
     assert torch.equal(out, expected)
     # the needle is retrieved at 2K with the full cache, so the budget sweeps have something to lose
     assert sample.answers[0] in tokenizer.decode(expected[0, prompt.shape[1] :])
+
+
+def test_a_conversion_that_loses_the_race_keeps_the_winners_copy(tmp_path, monkeypatch):
+    """Two processes converting at once (torchrun ranks, parallel benchmark runs) used to share one
+    staging directory, and the slower one crashed inside safetensors."""
+    monkeypatch.setenv("KVP_CACHE_HOME", str(tmp_path))
+    smollm2 = MODELS["smollm2"]
+    check_tokenizer = OfflineModel.check_tokenizer
+    rivals = []
+
+    def rival_finishes_first(self, tokenizer):
+        check_tokenizer(self, tokenizer)
+        if not rivals:
+            rivals.append(None)
+            rivals[0] = self.converted_dir()  # a whole conversion while this one is half way
+
+    monkeypatch.setattr(OfflineModel, "check_tokenizer", rival_finishes_first)
+    target = smollm2.converted_dir()
+    assert rivals == [target]
+    assert [p.name for p in tmp_path.iterdir()] == [target.name]  # no staging directory left
+    assert AutoConfig.from_pretrained(target).num_hidden_layers == 30
