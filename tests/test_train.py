@@ -627,8 +627,8 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     fit_config = reproduce.fit_config(tmp_path, tmp_path / "fit")
     fit_config.validate()
     assert (fit_config.objective, fit_config.target) == ("listnet", "attention_evictable")
-    assert (fit_config.position_strategy, fit_config.max_positions, fit_config.steps) == ("scale", 128, 200)
-    assert fit_config.hidden_dim == 64
+    assert (fit_config.position_strategy, fit_config.max_positions) == ("scale", 128)
+    assert_fit_made_the_shipped_policy(fit_config, "smollm2-135m-instruct")
     assert fit_config.train_split.split("+") == [main.train_name, native.train_name]
     assert fit_config.val_split.split("+") == [main.val_name, native.val_name]
     with pytest.raises(ValueError, match="windows: unknown corpus"):
@@ -641,7 +641,27 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     assert gemma.synthetic + gemma.synthetic_after + sum(gemma.windows.values()) == 140
     gemma_fit = reproduce.fit_config(tmp_path, tmp_path / "fit", model="gemma3-270m")
     gemma_fit.validate()
-    assert (gemma_fit.target, gemma_fit.hidden_dim, gemma_fit.train_split) == ("attention", 32, "train")
+    assert gemma_fit.train_split == "train"
+    assert_fit_made_the_shipped_policy(gemma_fit, "gemma3-270m")
+
+
+def assert_fit_made_the_shipped_policy(fit_config, shipped_name: str) -> None:
+    """The recipe's fit settings are those the shipped policy records it was trained with."""
+    from kvp_cache.policy import load_policy
+
+    policy = load_policy(shipped_name)
+    trained = policy.training_info
+    assert (fit_config.objective, fit_config.target) == (trained["objective"], trained["target"])
+    assert (fit_config.steps, fit_config.batch_size, fit_config.lr) == (
+        trained["steps"],
+        trained["batch_size"],
+        trained["lr"],
+    )
+    assert (fit_config.hidden_dim, fit_config.position_strategy, fit_config.max_positions) == (
+        policy.hidden_dim,
+        policy.position_strategy,
+        policy.max_positions,
+    )
 
 
 # ---------------------------------------------------------------- downstream validation

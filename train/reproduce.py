@@ -18,9 +18,9 @@ The recipes (:data:`RECIPES`):
   whose future is the gold answer, kept only where the full cache answers correctly;
   ``train_native``/``val_native``: 110 windows of third-party C/C++/CUDA/Cython/JavaScript source,
   added once the first policy lost on JavaScript. ListNet on ``attention_evictable`` (future
-  attention with the always-kept sinks and window left out), 64 hidden units. 80 + 17 minutes of
-  collection (22.2 GB of traces), 45 of fitting, ~20 of downstream evaluation on 2 shared cores
-  (docs/training_report.md).
+  attention with the always-kept sinks and window left out), 64 hidden units, 400 steps. 80 + 17
+  minutes of collection (22.2 GB of traces), 93 process-minutes of fitting (47 min on 2 processes
+  with torchrun), ~20 of downstream evaluation on 2 shared cores (docs/training_report.md).
 - ``gemma3-270m``: plain prompts (a base model), 10% held out, one collection of 140 candidates of
   512-8192 tokens (35 essays, 35 Python code, 25 docs; 30 ``niah_single``/``niah_multiquery``
   prompts with the question inside, 15 asked after). Only its 3 global layers are traced and
@@ -53,6 +53,7 @@ class Recipe:
     collections: tuple[dict, ...]
     hidden_dim: int
     target: str = "attention_evictable"
+    steps: int = 200
 
 
 # The shipped policies were collected before text windows were disjoint (train.data.text_examples)
@@ -86,6 +87,7 @@ RECIPES = {
             ),
         ),
         hidden_dim=64,
+        steps=400,
     ),
     "gemma3-270m": Recipe(
         "gemma3-270m",
@@ -118,7 +120,7 @@ def collect_configs(traces: Path, model: str = "smollm2") -> list[CollectConfig]
 
 def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str = "smollm2") -> FitConfig:
     """Step 2. A 128-row position table read with "scale" (relative positions), so prompts of any
-    length share it; ListNet, 200 steps of 8 traces. It trains on every collection's training split
+    length share it; ListNet, the recipe's steps of 8 traces. It trains on every collection's training split
     and validates on their held-out splits."""
     recipe = RECIPES[model]
     collections = collect_configs(traces, model)
@@ -127,7 +129,7 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str =
         str(out),
         objective=objective,
         target=recipe.target,
-        steps=200,
+        steps=recipe.steps,
         batch_size=8,
         eval_every=25,
         warmup=10,
