@@ -541,9 +541,14 @@ def needle_rows(
 
 
 def text_rows(
-    name: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]]
+    name: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]], reference: str
 ) -> list[dict]:
-    """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs)."""
+    """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs).
+
+    Every other compressed method's row also holds ``paired``: its per-window NLL minus that of
+    ``reference`` (the first method) at the same budget, mean and CI. The windows are shared, so
+    pairing removes their spread, which dominates the unpaired intervals; positive: ``reference``
+    lost less."""
     where = {
         "protocol": PERPLEXITY,
         "corpus": name,
@@ -556,7 +561,16 @@ def text_rows(
         nll = [r["nll"][method_key(method, budget)] for r in records]
         increase = [a - b for a, b in zip(nll, full, strict=True)]
         row = cell_row(where, method, budget, "nll_increase", increase, bootstrap_interval)
-        rows.append({**row, "nll": sum(nll) / len(nll), "nll_ci95": list(bootstrap_interval(nll))})
+        row = {**row, "nll": sum(nll) / len(nll), "nll_ci95": list(bootstrap_interval(nll))}
+        if budget is not None and method != reference and (reference, budget) in grid:
+            against = [r["nll"][method_key(reference, budget)] for r in records]
+            difference = [a - b for a, b in zip(nll, against, strict=True)]
+            row["paired"] = {
+                "against": reference,
+                "difference": sum(difference) / len(difference),
+                "ci95": list(bootstrap_interval(difference)),
+            }
+        rows.append(row)
     return rows
 
 
@@ -635,12 +649,12 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
             if done is None:
                 unreported.add((PERPLEXITY, context))
                 continue
-            rows += text_rows(name, context, *done)
+            rows += text_rows(name, context, *done, config.methods[0])
             pooled.setdefault((PERPLEXITY, context), []).append(done)
             seconds[f"{PERPLEXITY}/{name}/{context}"] = cost(done[0])
         cells = pooled.get((PERPLEXITY, context))
         if cells and (PERPLEXITY, context) not in unreported:
-            rows += text_rows(ALL, context, *pooled_records(cells))
+            rows += text_rows(ALL, context, *pooled_records(cells), config.methods[0])
     return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
 
 

@@ -127,6 +127,44 @@ def section_tables(result: dict, pooled_only: bool) -> list[str]:
     return lines
 
 
+def paired_lines(result: dict) -> list[str]:
+    """Per text length: every method's per-window NLL difference from the first method (rows'
+    ``paired``), corpora pooled first, with the 95% interval. An interval above 0 means the first
+    method lost less on these very windows."""
+    lines = []
+    for length in result["config"]["text_contexts"]:
+        paired = [
+            r
+            for r in result["rows"]
+            if r["protocol"] == PERPLEXITY and r["context_tokens"] == length and "paired" in r
+        ]
+        if not paired:
+            continue
+        corpora = sorted(dict.fromkeys(r["corpus"] for r in paired), key=lambda c: c != ALL)
+        budgets = list(dict.fromkeys(r["budget"] for r in paired))
+        columns = [(c, b) for c in corpora for b in budgets]
+        found = {(r["method"], r["corpus"], r["budget"]): r["paired"] for r in paired}
+        body = []
+        for method in dict.fromkeys(r["method"] for r in paired):
+            cells = [found.get((method, c, b)) for c, b in columns]
+            body.append(
+                [method]
+                + [
+                    "-" if p is None else "{:+.3f} ({:+.3f} to {:+.3f})".format(p["difference"], *p["ci95"])
+                    for p in cells
+                ]
+            )
+        header = ["method"] + [f"{'pooled' if c == ALL else c}, budget {b}" for c, b in columns]
+        lines += [
+            f"**real text, {kilo(length)} tokens: NLL difference per token from `{paired[0]['paired']['against']}` "
+            "on the same windows (95% interval; positive: it lost less)**",
+            "",
+            markdown_table(header, body),
+            "",
+        ]
+    return lines
+
+
 def excluded_lines(result: dict) -> list[str]:
     if not result["excluded"]:
         return []
@@ -206,9 +244,20 @@ def cost_lines(result: dict) -> list[str]:
     ]
 
 
+def result_lines(result: dict, pooled_only: bool) -> list[str]:
+    """The score tables (per task and corpus too unless ``pooled_only``), the paired real-text
+    differences, the excluded tasks and the cost."""
+    return (
+        section_tables(result, pooled_only)
+        + paired_lines(result)
+        + excluded_lines(result)
+        + cost_lines(result)
+    )
+
+
 def report_markdown(result: dict) -> str:
     pending = result["pending"]
-    lines = section_tables(result, pooled_only=False) + excluded_lines(result) + cost_lines(result)
+    lines = result_lines(result, pooled_only=False)
     if pending:
         cells = [
             [
@@ -242,7 +291,7 @@ def replace_block(path: Path, begin: str, end: str, body: list[str], append: boo
 def update_docs(result: dict, model: str, docs: Path = DOCS, readme: Path | None = None) -> None:
     """Replace the generated block of ``docs`` (appended the first time) with the pooled tables, and
     the headline block of ``readme`` when it has one for ``model``."""
-    tables = section_tables(result, pooled_only=True) + excluded_lines(result) + cost_lines(result)
+    tables = result_lines(result, pooled_only=True)
     replace_block(docs, DOCS_BEGIN.format(model=model), DOCS_END, tables, append=True)
     if readme is not None:
         body = [headline(result)] + ([pending_line(result)] if result.get("pending") else [])

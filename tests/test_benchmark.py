@@ -115,7 +115,11 @@ def test_rows_schema_and_statistics(tiny, tmp_path, fake_corpora):
     assert [(e["task"], e["context_tokens"], e["n"]) for e in result["excluded"]] == [("vt", 256, 2)]
     needle = [r for r in result["rows"] if r["protocol"] != PERPLEXITY]
     text = [r for r in result["rows"] if r["protocol"] == PERPLEXITY]
-    assert all(set(r) == NEEDLE_FIELDS for r in needle) and all(set(r) == TEXT_FIELDS for r in text)
+    assert all(set(r) == NEEDLE_FIELDS for r in needle)
+    # Every compressed text row but the first method's is also paired with the first method's.
+    for r in text:
+        paired = r["method"] not in (FULL, "knorm")
+        assert set(r) == TEXT_FIELDS | ({"paired"} if paired else set())
     cells = 1 + len(config.row_methods()) * len(config.budgets)
     assert len(needle) == len(config.protocols) * (len(config.tasks) + 1) * cells  # + the pooled task
     assert len(text) == (len(config.corpora) + 1) * cells
@@ -133,6 +137,10 @@ def test_rows_schema_and_statistics(tiny, tmp_path, fake_corpora):
     increase = [r["nll"]["snapkv@0.25"] - r["nll"][FULL] for r in records]
     assert row["score"] == pytest.approx(sum(increase) / 3)
     assert row["ci95"] == list(bootstrap_interval(increase))
+    difference = [r["nll"]["snapkv@0.25"] - r["nll"]["knorm@0.25"] for r in records]
+    assert row["paired"]["against"] == "knorm"
+    assert row["paired"]["difference"] == pytest.approx(sum(difference) / 3)
+    assert row["paired"]["ci95"] == list(bootstrap_interval(difference))
     shard = tmp_path / "shards" / "question_after" / "niah_multikey" / "256.jsonl"
     records = [json.loads(line) for line in shard.read_text().splitlines()]
     row = next(r for r in needle if (r["protocol"], r["task"], r["method"], r["budget"])
@@ -342,6 +350,13 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     table = (out / "benchmark.md").read_text()
     assert "| oracle |" in table and "| tova |" in table and "budget 0.25" in table
     assert "CPU s per sample" in table and "| perplexity/angular/96 | 2 |" in table
+    paired = next(
+        r["paired"]
+        for r in result["rows"]
+        if (r.get("corpus"), r["method"], r["budget"]) == (ALL, "tova", 0.1)
+    )
+    assert "NLL difference per token from `knorm` on the same windows" in table
+    assert "| tova | {:+.3f} ({:+.3f} to {:+.3f}) |".format(paired["difference"], *paired["ci95"]) in table
     assert result["seconds"]["question_in/niah_single/256"]["n"] == 2
     snippet = (out / "headline.md").read_text()
     assert snippet == headline(result) and "Budget 10%" in snippet and "real text 96" in snippet
