@@ -68,6 +68,13 @@ def check_position_strategy(value: Any) -> None:
         raise ValueError(f"position_strategy must be one of {sorted(POSITION_STRATEGIES)}, got {value!r}")
 
 
+def _inference() -> bool:
+    """Whether scoring may overwrite its intermediates: scoring a 4K prompt spends about half its
+    time on element-wise passes over them, and in place they need no new buffers. Training keeps
+    them, as autograd needs them."""
+    return not torch.is_grad_enabled()
+
+
 def _per_batch(weight: Tensor, batch: int) -> Tensor:
     """Per-head parameters ``[heads, ...]`` repeated for ``[batch * heads, ...]`` inputs (batch-major)."""
     return weight.repeat(batch, *(1,) * (weight.dim() - 1)) if batch > 1 else weight
@@ -99,7 +106,8 @@ class StackedLinear(nn.Module):
     def forward(self, x: Tensor, batch: int = 1, centered: bool = False) -> Tensor:
         """``[batch * heads, n, in]`` -> ``[batch * heads, n, out]``; ``centered``: minus the mean over outputs."""
         weight, bias = self.centered_parameters() if centered else (self.weight, self.bias)
-        return torch.baddbmm(_per_batch(bias, batch)[:, None, :], x, _per_batch(weight, batch))
+        # Adding the bias afterwards beats baddbmm's broadcast copy of it into the output.
+        return torch.bmm(x, _per_batch(weight, batch)).add_(_per_batch(bias, batch)[:, None, :])
 
 
 class StackedLayerNorm(nn.Module):
@@ -112,16 +120,21 @@ class StackedLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(heads, dim))
 
     def normalize(self, x: Tensor, centered: bool = False) -> Tensor:
-        """LayerNorm without its affine; ``centered``: ``x`` has zero mean over its last dim already."""
+        """LayerNorm without its affine; ``centered``: ``x`` has zero mean over its last dim already.
+
+        Without autograd, a centered ``x`` is overwritten (callers pass fresh intermediates)."""
         if centered:
             # An RMS norm in two passes over x (F.rms_norm takes four on CPU).
             mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square() / x.shape[-1]
-            return x * torch.rsqrt(mean_square + self.eps)
+            inverse_rms = torch.rsqrt(mean_square + self.eps)
+            return x.mul_(inverse_rms) if _inference() else x * inverse_rms
         return F.layer_norm(x, x.shape[-1:], eps=self.eps)
 
     def forward(self, x: Tensor, batch: int = 1, centered: bool = False) -> Tensor:
         """``[batch * heads, n, dim]`` -> ``[batch * heads, n, dim]``."""
         weight, bias = _per_batch(self.weight, batch), _per_batch(self.bias, batch)
+        if _inference():
+            return self.normalize(x, centered).mul_(weight[:, None, :]).add_(bias[:, None, :])
         return torch.addcmul(bias[:, None, :], self.normalize(x, centered), weight[:, None, :])
 
 
@@ -135,7 +148,9 @@ class MLPBlock(nn.Module):
 
     def forward(self, x: Tensor, batch: int = 1) -> Tensor:
         """``[batch * heads, n, in]`` -> ``[batch * heads, n, out]``."""
-        return F.silu(self.norm(self.linear(x, batch, centered=True), batch, centered=True))
+        return F.silu(
+            self.norm(self.linear(x, batch, centered=True), batch, centered=True), inplace=_inference()
+        )
 
 
 class HeadAgents(nn.Module):
@@ -263,9 +278,9 @@ class HeadAgents(nn.Module):
             return norm.normalize(proj(x.to(dtype).reshape(b * h, n, d), b, centered=True), centered=True)
 
         pre = self.gather_rows(per_row, positions).reshape(b * h, n, hidden)
-        pre = pre.baddbmm(normalized_projection(keys, self.key_proj, self.key_norm), w_key)
-        pre = pre.baddbmm(normalized_projection(values, self.value_proj, self.value_norm), w_value)
-        features = F.silu(first.norm(pre, b, centered=True))
+        pre = pre.baddbmm_(normalized_projection(keys, self.key_proj, self.key_norm), w_key)
+        pre = pre.baddbmm_(normalized_projection(values, self.value_proj, self.value_norm), w_value)
+        features = F.silu(first.norm(pre, b, centered=True), inplace=_inference())
         for block in self.mlp[1:]:
             features = block(features, b)
         scores = self.out(features, b).view(b, h, n).float()
@@ -326,11 +341,16 @@ class HeadAgents(nn.Module):
         around its fractional row.
         """
         rows = self.table_positions(positions)
-        heads = torch.arange(self.num_heads, device=positions.device)[None, :, None]
+        b, n = rows.shape
+
+        def read(index: Tensor) -> Tensor:
+            # Whole-row copies; indexing by (head, token) pairs is slower on CPU.
+            return per_row.index_select(1, index.reshape(-1)).view(self.num_heads, b, n, -1).transpose(0, 1)
+
         low = rows.floor().long()
-        gathered = per_row[heads, low[:, None, :]]
+        gathered = read(low)
         if self.position_strategy != "clamp":
             high = (low + 1).clamp(max=self.max_positions - 1)
             fraction = (rows - low.float())[:, None, :, None].to(per_row.dtype)
-            gathered = torch.lerp(gathered, per_row[heads, high[:, None, :]], fraction)
+            gathered = torch.lerp(gathered, read(high), fraction)
         return gathered

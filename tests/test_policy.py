@@ -52,11 +52,18 @@ def tiny_policy(model, seed: int = 0, **options) -> KVPolicy:
 # ---- the agents -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("strategy", ["clamp", "scale"])
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
 @pytest.mark.parametrize("num_mlp_layers", [1, 2, 3])
-def test_agents_match_per_head_reference(num_mlp_layers):
-    agents = random_agents(num_mlp_layers=num_mlp_layers)
+def test_agents_match_per_head_reference(num_mlp_layers, grad, strategy):
+    """Both paths: training keeps every intermediate, inference overwrites them in place."""
+    agents = random_agents(strategy, num_mlp_layers=num_mlp_layers)
     keys, values, positions = padded_inputs([10, 7, 1], seq=10)
-    scores = agents(keys, values, positions)
+    inputs = [t.clone() for t in (keys, values, positions, *agents.parameters())]
+    with torch.set_grad_enabled(grad):
+        scores = agents(keys, values, positions)
+    after = (keys, values, positions, *agents.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(inputs, after, strict=True))
     expected = agents.reference_forward(keys, values, positions)
     assert scores.dtype == torch.float32 and scores.shape == (3, 3, 10)
     assert torch.equal(scores.isinf(), positions[:, None, :].expand(-1, 3, -1) < 0)
