@@ -133,9 +133,9 @@ class StackedLayerNorm(nn.Module):
     def forward(self, x: Tensor, batch: int = 1, centered: bool = False) -> Tensor:
         """``[batch * heads, n, dim]`` -> ``[batch * heads, n, dim]``."""
         weight, bias = _per_batch(self.weight, batch), _per_batch(self.bias, batch)
-        if _inference():
-            return self.normalize(x, centered).mul_(weight[:, None, :]).add_(bias[:, None, :])
-        return torch.addcmul(bias[:, None, :], self.normalize(x, centered), weight[:, None, :])
+        normalized = self.normalize(x, centered)
+        out = normalized if _inference() else None
+        return torch.addcmul(bias[:, None, :], normalized, weight[:, None, :], out=out)
 
 
 class MLPBlock(nn.Module):
@@ -240,8 +240,8 @@ class HeadAgents(nn.Module):
         Computes what :meth:`reference_forward` computes (up to float rounding), arranged for speed:
         the LayerNorm affines feeding the first MLP Linear are folded into its weights, every
         Linear feeding a LayerNorm has that norm's centering folded in (leaving an RMS norm), and
-        the position branch (LayerNorm and its slice of the first Linear) runs once per table
-        row, not once per token; tokens gather their row's features.
+        the position LayerNorm runs once per table row, not once per token; tokens gather their
+        row's normalized features.
         """
         if keys.dim() != 4 or keys.shape[1] != self.num_heads or keys.shape[-1] != self.head_dim:
             raise ValueError(
@@ -267,8 +267,13 @@ class HeadAgents(nn.Module):
             torch.bmm(self.key_norm.bias[:, None, :], w_key)
             + torch.bmm(self.value_norm.bias[:, None, :], w_value)
         ).squeeze(1)
-        per_row = torch.bmm(self.position_norm(self.position_table), w_position) + constant[:, None, :]
-        per_row = per_row - per_row.mean(-1, keepdim=True)
+        # The position branch is linear in the normalized table row, so interpolating rows commutes
+        # with it: tokens gather the narrow normalized rows, with a 1 appended that carries the
+        # constant, and one narrow product per token maps them to the hidden width.
+        table = self.position_norm(self.position_table)
+        table = torch.cat([table, torch.ones_like(table[..., :1])], dim=-1)
+        w_table = torch.cat([w_position, constant[:, None, :]], dim=1)
+        w_table = _per_batch(w_table - w_table.mean(-1, keepdim=True), b)
         w_key = self.key_norm.weight[:, :, None] * w_key
         w_value = self.value_norm.weight[:, :, None] * w_value
         w_key = _per_batch(w_key - w_key.mean(-1, keepdim=True), b)
@@ -277,7 +282,7 @@ class HeadAgents(nn.Module):
         def normalized_projection(x: Tensor, proj: StackedLinear, norm: StackedLayerNorm) -> Tensor:
             return norm.normalize(proj(x.to(dtype).reshape(b * h, n, d), b, centered=True), centered=True)
 
-        pre = self.gather_rows(per_row, positions).reshape(b * h, n, hidden)
+        pre = torch.bmm(self.gather_rows(table, positions).reshape(b * h, n, -1), w_table)
         pre = pre.baddbmm_(normalized_projection(keys, self.key_proj, self.key_norm), w_key)
         pre = pre.baddbmm_(normalized_projection(values, self.value_proj, self.value_norm), w_value)
         features = F.silu(first.norm(pre, b, centered=True), inplace=_inference())
