@@ -47,7 +47,13 @@ def cell_text(row: dict | None) -> str:
         return f"NLL {row['nll']:.3f}"
     if row["metric"] == "accuracy":
         return f"{100 * row['score']:.1f} ({100 * low:.0f}-{100 * high:.0f})"
-    return f"{row['score']:+.3f} ({low:+.3f} to {high:+.3f})"
+    return signed_interval(row["score"], row["ci95"])
+
+
+def signed_interval(value: float, ci95: list[float]) -> str:
+    """``+0.123 (+0.100 to +0.150)``: a signed difference with its 95% interval."""
+    low, high = ci95
+    return f"{value:+.3f} ({low:+.3f} to {high:+.3f})"
 
 
 def ordered_methods(rows: list[dict]) -> list[str]:
@@ -144,16 +150,16 @@ def paired_lines(result: dict) -> list[str]:
         budgets = list(dict.fromkeys(r["budget"] for r in paired))
         columns = [(c, b) for c in corpora for b in budgets]
         found = {(r["method"], r["corpus"], r["budget"]): r["paired"] for r in paired}
-        body = []
-        for method in dict.fromkeys(r["method"] for r in paired):
-            cells = [found.get((method, c, b)) for c, b in columns]
-            body.append(
-                [method]
-                + [
-                    "-" if p is None else "{:+.3f} ({:+.3f} to {:+.3f})".format(p["difference"], *p["ci95"])
-                    for p in cells
-                ]
-            )
+        body = [
+            [method]
+            + [
+                "-"
+                if (p := found.get((method, c, b))) is None
+                else signed_interval(p["difference"], p["ci95"])
+                for c, b in columns
+            ]
+            for method in dict.fromkeys(r["method"] for r in paired)
+        ]
         header = ["method"] + [f"{'pooled' if c == ALL else c}, budget {b}" for c, b in columns]
         lines += [
             f"**real text, {kilo(length)} tokens: NLL difference per token from `{paired[0]['paired']['against']}` "

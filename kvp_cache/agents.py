@@ -69,9 +69,9 @@ def check_position_strategy(value: Any) -> None:
 
 
 def _inference() -> bool:
-    """Whether scoring may overwrite its intermediates: scoring a 4K prompt spends about half its
-    time on element-wise passes over them, and in place they need no new buffers. Training keeps
-    them, as autograd needs them."""
+    """Whether scoring may overwrite its intermediates: scoring a 4K prompt spends much of its time
+    on element-wise passes over them, and in place they need no new buffers. Training keeps them,
+    as autograd needs them."""
     return not torch.is_grad_enabled()
 
 

@@ -73,7 +73,7 @@ def test_a_conversion_that_loses_the_race_keeps_the_winners_copy(tmp_path, monke
     def rival_finishes_first(self, tokenizer):
         check_tokenizer(self, tokenizer)
         if not rivals:
-            rivals.append(None)
+            rivals.append(None)  # before the rival's conversion, which calls this hook again
             rivals[0] = self.converted_dir()  # a whole conversion while this one is half way
 
     monkeypatch.setattr(OfflineModel, "check_tokenizer", rival_finishes_first)
