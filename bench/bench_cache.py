@@ -4,7 +4,7 @@
                                           [--repeats 3] [--decode-tokens 64] [--threads 1] [--json out.json]
 
 The prompt is one RULER ``niah_single`` sample (kvp_cache.ruler) of ``--context-tokens`` tokens over
-the Paul Graham essays (``../shared/data/pg_essays`` of the repository; RULER noise when absent) in
+RULER's noise sentences (Paul Graham essays with ``--essays DIR``) in
 the chat template. For each repeat, configurations run in a fixed interleaved order (full, then
 each method), each in a FRESH SUBPROCESS, which:
 
@@ -62,10 +62,9 @@ from transformers import AutoTokenizer, DynamicCache
 from kvp_cache import KVPCache, available_methods, ruler, scorers
 from kvp_cache.cache import EvictingLayer, cache_bytes
 from kvp_cache.compat import cache_kwarg
-from kvp_cache.demo import DEFAULT_ESSAYS
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import shipped_policies
-from kvp_cache.provenance import provenance
+from kvp_cache.provenance import portable_path, provenance
 
 FULL = "full"
 KV_ONLY_TARGET = 0.01  # evict / prefill for key/value-only methods
@@ -181,15 +180,14 @@ def run_child(config: str, ids_path: Path, budget, decode_tokens: int, threads: 
 # Parent: prompt, schedule, table.
 
 
-def build_prompt(context_tokens: int) -> tuple[torch.Tensor, str]:
+def build_prompt(context_tokens: int, essays: Path | None) -> tuple[torch.Tensor, str]:
     tokenizer = AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
-    essays = DEFAULT_ESSAYS if DEFAULT_ESSAYS.is_dir() else None
     sample = ruler.make_samples(
         "niah_single", tokenizer, context_tokens, n=1, haystack=ruler.load_haystack(essays)
     )[0]
     prompt, _ = ruler.chat_prompt(sample, tokenizer)
     ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    return ids, str(essays) if essays is not None else "RULER noise"
+    return ids, portable_path(str(essays)) if essays is not None else "RULER noise"
 
 
 def summarize(runs: list[Run], methods: list[str], budget) -> dict:
@@ -251,6 +249,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per configuration (medians)")
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per measurement (default 1)")
+    parser.add_argument(
+        "--essays", type=Path, help="Paul Graham essays *.txt as haystack (default: RULER noise)"
+    )
     parser.add_argument("--json", type=Path, help="write every run and the summary here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)
@@ -278,7 +279,7 @@ def main(argv=None) -> None:
         return
     from tqdm.auto import tqdm
 
-    ids, haystack = build_prompt(args.context_tokens)
+    ids, haystack = build_prompt(args.context_tokens, args.essays)
     configs = [FULL, *args.methods]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:

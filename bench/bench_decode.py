@@ -4,8 +4,9 @@
         [--speed-methods kvp] [--speed-cap 1024] [--continuation-tokens 2048] [--caps 256 512 1024]
         [--methods kvp knorm ...] [--evict-every 64] [--chunk 16] [--threads 1] [--json out.json]
 
-SmolLM2-135M-Instruct on CPU, float32. Two measurements on one long Paul Graham essay (the
-longest in ``../shared/data/pg_essays``):
+SmolLM2-135M-Instruct on CPU, float32. Two measurements on one long text: the start of the King
+James Bible (the benchmark's ``kjv`` corpus, public domain, from the ``eval`` extra), or with
+``--essays DIR`` the longest Paul Graham essay there (what ``bench/results/decode_smollm2.json`` used):
 
 1. Speed and memory. The essay's first ``--prompt-tokens`` tokens are prefilled, then
    ``--generate-tokens`` tokens are decoded greedily, one forward per token (EOS does not stop
@@ -41,10 +42,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from eval.realtext import corpus_tokens
 from kvp_cache import KVPCache, scorers
 from kvp_cache.cache import cache_bytes
 from kvp_cache.compat import cache_kwarg
-from kvp_cache.demo import DEFAULT_ESSAYS
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import shipped_policies
 from kvp_cache.provenance import provenance
@@ -53,8 +54,10 @@ FULL = "full"
 POLICY = "smollm2-135m-instruct"  # the shipped policy for SmolLM2 (method kvp)
 
 
-def essay_ids(tokenizer, essays: Path, needed: int) -> tuple[torch.Tensor, str]:
-    """The longest essay's first ``needed`` tokens, ``[1, needed]``."""
+def text_ids(tokenizer, essays: Path | None, needed: int) -> tuple[torch.Tensor, str]:
+    """The first ``needed`` tokens of the text, ``[1, needed]``, and its name."""
+    if essays is None:
+        return corpus_tokens("kjv", tokenizer)[None, :needed], "kjv"
     path = max(essays.glob("*.txt"), key=lambda p: p.stat().st_size)
     ids = tokenizer(path.read_text(), add_special_tokens=False, return_tensors="pt")["input_ids"]
     if ids.shape[1] < needed:
@@ -153,7 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--evict-every", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=16, help="teacher-forcing chunk, <= --evict-every")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--essays", type=Path, default=DEFAULT_ESSAYS)
+    parser.add_argument("--essays", type=Path, help="Paul Graham essays *.txt (default: the kjv corpus)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     for name in ("prompt_tokens", "speed_cap", "evict_every", "chunk", "threads"):
@@ -166,7 +169,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--caps must be >= 20 (sink_tokens + window_tokens), got {args.caps}")
     if args.chunk > args.evict_every:
         parser.error(f"--chunk must be <= --evict-every ({args.evict_every}), got {args.chunk}")
-    if not args.essays.is_dir():
+    if args.essays is not None and not args.essays.is_dir():
         parser.error(f"--essays {args.essays} is not a directory of .txt essays")
     if POLICY not in shipped_policies():
         parser.error(f"method kvp needs the shipped policy {POLICY!r}; shipped: {shipped_policies()}")
@@ -178,7 +181,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model("smollm2")
     needed = args.prompt_tokens + max(args.continuation_tokens, 1)
-    ids, essay = essay_ids(tokenizer, args.essays, needed)
+    ids, essay = text_ids(tokenizer, args.essays, needed)
     prompt = ids[:, : args.prompt_tokens]
     record = {
         "provenance": provenance(MODELS["smollm2"].model_id, model.dtype, "cpu", policy=POLICY),

@@ -5,8 +5,8 @@ compression, and the ratio of KVPCache to DynamicCache, measured in one run.
                                            [--budgets 0.1 0.25 0.5] [--chunk 1024] [--threads 1]
                                            [--json runs/bench_memory.json]
 
-One prompt of ``max(--lengths)`` tokens (BOS + the Paul Graham essays, ``../shared/data/pg_essays`` of
-the repository) is prefilled once into a ``DynamicCache``, ``--chunk`` tokens per forward so the
+One prompt of ``max(--lengths)`` tokens (BOS + RULER's noise sentences, or the Paul Graham essays of
+``--essays DIR``, repeated) is prefilled once into a ``DynamicCache``, ``--chunk`` tokens per forward so the
 attention scores of one forward stay small (a forward over 32K tokens at once would materialize
 [heads, 32K, 32K] scores on CPU). When the prefill reaches each length, the cache is copied, and for
 each budget ``KVPCache.from_prefill`` compresses the copy with the KVP policy shipped for the model
@@ -35,7 +35,7 @@ from kvp_cache import KVPCache, ruler
 from kvp_cache.budget import validate_budget
 from kvp_cache.cache import layer_bytes
 from kvp_cache.compat import cache_kwarg, text_config
-from kvp_cache.demo import DEFAULT_ESSAYS, default_policy
+from kvp_cache.demo import default_policy
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import KVPolicy, load_policy
 from kvp_cache.prefill import Prefill
@@ -67,18 +67,24 @@ class Row:
         return self.global_full_bytes / self.dynamic_bytes
 
 
-def essay_ids(tokenizer, tokens: int) -> torch.Tensor:
-    """``[1, tokens]``: BOS, then the essays (repeated if they are shorter)."""
-    text = ruler.load_haystack(DEFAULT_ESSAYS if DEFAULT_ESSAYS.is_dir() else None)
+def essay_ids(tokenizer, tokens: int, essays: Path | None) -> torch.Tensor:
+    """``[1, tokens]``: BOS, then the haystack text (repeated if it is shorter)."""
+    text = ruler.load_haystack(essays)
     body = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     body = body.repeat(-(-tokens // body.numel()))
     return torch.cat([torch.tensor([tokenizer.bos_token_id]), body])[:tokens][None]
 
 
 def measure(
-    model, tokenizer, policy: KVPolicy, lengths: list[int], budgets: list[float], chunk: int
+    model,
+    tokenizer,
+    policy: KVPolicy,
+    lengths: list[int],
+    budgets: list[float],
+    chunk: int,
+    essays: Path | None,
 ) -> list[Row]:
-    input_ids = essay_ids(tokenizer, max(lengths))
+    input_ids = essay_ids(tokenizer, max(lengths), essays)
     cache = DynamicCache(config=text_config(model.config))
     rows, start, seen = [], time.perf_counter(), 0
     with torch.no_grad(), tqdm(total=max(lengths), desc="Prefill", unit="tok") as bar:
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--policy", help="KVP policy (shipped name, directory, Hub id); default: shipped for --model"
     )
+    parser.add_argument("--essays", type=Path, help="Paul Graham essays *.txt (default: RULER noise)")
     parser.add_argument("--json", type=Path, help="write the provenance and every row here")
     args = parser.parse_args(argv)
     for length in args.lengths:
@@ -160,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--lengths must be <= {limit} (the model's context), got {max(args.lengths)}")
     policy = load_policy(args.policy or default_policy(MODELS[args.model].model_id))
     record = {"provenance": provenance(args.model, model.dtype, model.device, policy, command=sys.argv)}
-    rows = measure(model, tokenizer, policy, args.lengths, budgets, args.chunk)
+    rows = measure(model, tokenizer, policy, args.lengths, budgets, args.chunk, args.essays)
     print(format_table(rows))
     if args.json:
         record["rows"] = [asdict(r) | {"ratio": r.ratio, "global_share": r.global_share} for r in rows]

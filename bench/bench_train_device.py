@@ -8,7 +8,7 @@ see no GPU (``CUDA_VISIBLE_DEVICES=""``), so ``fit`` trains there on the CPU. Pr
 the speed-up over the last device, and writes ``--json`` with provenance.
 
     python bench/bench_train_device.py --like ~/.cache/kvp_cache/SmolLM2-135M-Instruct \
-        --essays-dir ../shared/data/pg_essays --devices cuda cpu --json bench/results/train_device.json
+        --essays-dir ESSAYS_DIR --devices cuda cpu --json bench/results/train_device.json
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from kvp_cache.provenance import provenance
 
 SHIPPED = "shipped"  # the benchmark's default policy: the one shipped for --model
 RESULTS = Path(__file__).resolve().parent / "results"
-ESSAYS_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
 
 
 def parse_methods(text: str, policy: str | None) -> list[str]:
@@ -137,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         "32K prompt on CPU needs",
     )
     bench.add_argument("--no-oracle", action="store_true", help="skip the oracle row")
-    bench.add_argument("--essays-dir", default=str(ESSAYS_DIR), help="haystack essays ('' for RULER noise)")
+    bench.add_argument(
+        "--essays-dir", default=None, help="Paul Graham essays *.txt as haystack (default: RULER noise)"
+    )
     bench.add_argument("--out", type=Path, default=None, help="default: eval/results/<model>")
     bench.add_argument(
         "--no-run",

@@ -28,7 +28,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encod
 from kvp_cache import ruler
 from kvp_cache.budget import Budget, validate_budget
 from kvp_cache.prefill import prefill
+from kvp_cache.provenance import portable_config
 from kvp_cache.scorers import Scorer, make_scorer, methods
 from train.data import gold_answer_ids
 
@@ -673,7 +674,7 @@ def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: Fingerprin
     collected = collect_rows(config, out, fingerprint)
     return {
         "provenance": provenance,
-        "config": asdict(config),
+        "config": portable_config(config),
         "corpora": {
             name: {"kind": corpus(name).kind, "requirement": corpus(name).requirement}
             for name in config.corpora

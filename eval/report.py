@@ -227,6 +227,7 @@ def headline(result: dict) -> str:
     parts.append(
         f"{provenance['model']} numbers from `{provenance['command']}` at commit `{provenance['git_commit'][:12]}`"
         + (f", policy `{policy.get('name')}` (sha256 `{policy.get('sha256', '')[:12]}`)" if policy else "")
+        + (f" ({provenance['rewritten']})" if provenance.get("rewritten") else "")
         + ". Cells: score (95% interval); bold: best compressed method and every one whose interval overlaps it."
     )
     return "\n".join(parts) + "\n"

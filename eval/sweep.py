@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from kvp_cache.cache import EvictingLayer
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.integrations import append_uncompressed, forward_tokens
 from kvp_cache.prefill import Prefill, generate_after_prefill, prefill
+from kvp_cache.provenance import portable_config
 from kvp_cache.scorers import Scorer, methods
 
 FULL = "full"
@@ -387,7 +388,7 @@ def run_sweep(model: PreTrainedModel, tokenizer, config: SweepConfig, policy=Non
                 )
         timing["sweep_seconds"][task] = sweep_seconds
     return {
-        "config": asdict(config),
+        "config": portable_config(config),
         "records": records,
         "tables": accuracy_tables(records, config),
         "cost": cost_summary(timing, config, len(grid)),

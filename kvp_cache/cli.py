@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated (default 32)")
     demo.add_argument(
-        "--essays", help="directory of essays *.txt for the haystack (default ../shared/data/pg_essays)"
+        "--essays", help="directory of essays *.txt for the haystack (default: RULER's noise sentences)"
     )
     demo.add_argument("--seed", type=int, default=0, help="which needle sample (default 0)")
     return parser

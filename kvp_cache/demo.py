@@ -24,9 +24,6 @@ from kvp_cache.cache import KVPCache, cache_bytes
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.models import MODELS, load_model, prompt_for
 
-# ../shared/data/pg_essays next to the repository checkout (absent in an installed wheel: noise is used).
-DEFAULT_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
-
 
 @dataclass
 class DemoRun:
@@ -126,8 +123,7 @@ def run_demo(
     budget, sink_tokens, window_tokens: as in :class:`~kvp_cache.KVPCache`.
     model_name: a name of :data:`kvp_cache.models.MODELS` (or a transformers directory / Hub id);
         it also decides the prompt format (chat template or plain text).
-    essays: a directory of essays for the haystack; by default ``../shared/data/pg_essays`` of the
-        repository when it exists, else RULER's noise sentences.
+    essays: a directory of essays (``*.txt``) for the haystack; by default RULER's noise sentences.
     model, tokenizer: reuse a loaded ``model_name``; loaded with :func:`kvp_cache.models.load_model`
         when omitted.
     """
@@ -135,8 +131,6 @@ def run_demo(
         raise ValueError("pass either method or policy, not both")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if essays is None and DEFAULT_ESSAYS.is_dir():
-        essays = DEFAULT_ESSAYS
     haystack = ruler.load_haystack(essays)  # a bad essays directory fails before the model loads
     offline = MODELS.get(model_name)
     if method is None and policy is None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
+from importlib.resources import files
 from pathlib import Path
 
 import pytest
@@ -13,8 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Tiny models run faster on one thread than on two (often busy) cores; SmolLM2 tests are unaffected in ratio.
 torch.set_num_threads(int(os.environ.get("KVP_TEST_THREADS", "1")))
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-ESSAYS_DIR = Path(os.environ.get("KVP_ESSAYS_DIR", SHARED / "data" / "pg_essays"))
 
 _COMMON = dict(
     vocab_size=256,
@@ -65,11 +66,26 @@ def smollm2():
     return load_model("smollm2")
 
 
+def synthetic_prose(sentences: int, seed: int) -> str:
+    """Seeded sentences from the package's RULER word lists: a haystack of many distinct sentences that
+    needs nothing outside the repository (the Paul Graham essays may not be redistributed)."""
+    words = json.loads(files("kvp_cache").joinpath("ruler_words.json").read_text())
+    rng = random.Random(seed)
+    pick = {kind: (lambda kind=kind: rng.choice(words[kind])) for kind in words}
+    return " ".join(
+        f"The {pick['adjectives']()} {pick['nouns']()} will {pick['verbs']()} "
+        f"the {pick['adjectives']()} {pick['nouns']()}."
+        for _ in range(sentences)
+    )
+
+
 @pytest.fixture(scope="session")
-def essays_dir() -> Path:
-    if not ESSAYS_DIR.is_dir():
-        pytest.fail(f"Paul Graham essays not found at {ESSAYS_DIR}; set KVP_ESSAYS_DIR")
-    return ESSAYS_DIR
+def prose_dir(tmp_path_factory) -> Path:
+    """A folder of three ``*.txt`` files of :func:`synthetic_prose`, laid out like the essays folder."""
+    folder = tmp_path_factory.mktemp("prose")
+    for i in range(3):
+        (folder / f"{i}.txt").write_text(synthetic_prose(1500, seed=i), encoding="utf-8")
+    return folder
 
 
 @pytest.fixture

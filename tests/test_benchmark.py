@@ -550,22 +550,22 @@ def test_more_text_windows_top_up_and_other_placements_are_never_read(tiny, tmp_
     ]  # fmt: skip
 
 
-def test_held_out_text_is_refused(essays_dir):
+def test_held_out_text_is_refused(prose_dir):
     for name in ("kjv", "chitchat-dataset", "xstatic-angular", "Angular"):
         with pytest.raises(ValueError, match="held-out evaluation corpus"):
             refuse_held_out([name])
     for path in ("/usr/share/dict/words", "/usr/lib/python3.11/json/decoder.py", "/usr/share"):
         with pytest.raises(ValueError, match="held out|standard library"):
-            refuse_held_out([essays_dir, path])
+            refuse_held_out([prose_dir, path])
     for corpus in CORPORA.values():
         try:
             location = corpus.location()
         except ModuleNotFoundError:
             continue
         assert is_held_out(location / "data") and is_held_out(location.parent)
-    refuse_held_out([essays_dir, "essays", "/usr/lib/python3.11/site-packages/numpy/core.py"])
+    refuse_held_out([prose_dir, "essays", "/usr/lib/python3.11/site-packages/numpy/core.py"])
     with pytest.raises(TypeError, match="list"):
-        refuse_held_out(str(essays_dir))
+        refuse_held_out(str(prose_dir))
     missing = Corpus("missing", "prose", "no-such-dist", "1.0", "no_such_package.sub")
     with pytest.raises(ModuleNotFoundError, match="pip install 'no-such-dist==1.0'"):
         missing.location()

@@ -266,14 +266,14 @@ def test_ruler_data_errors(tokenizer_dir):
 
 
 @pytest.mark.slow
-def test_ruler_end_to_end_on_smollm2(smollm2, tokenizer_dir, essays_dir):
+def test_ruler_end_to_end_on_smollm2(smollm2, tokenizer_dir, prose_dir):
     """kvp_ruler_niah_single (both protocols) through lm-eval with the kvp model on SmolLM2, 1K tokens."""
     model, tokenizer = smollm2
     metadata = {
         "tokenizer": tokenizer_dir,
         "max_seq_lengths": [1024],
         "num_samples": 2,
-        "essays_dir": str(essays_dir),
+        "essays_dir": str(prose_dir),
     }
     manager = task_manager(**metadata)
     names = ["kvp_ruler_niah_single_qin", "kvp_ruler_niah_single_qafter"]

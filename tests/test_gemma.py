@@ -89,9 +89,9 @@ def logits_to_keep(model, count: int):
         handle.remove()
 
 
-def needle_prefill(gemma, essays_dir, tokens: int) -> tuple[Prefill, Sample]:
+def needle_prefill(gemma, prose_dir, tokens: int) -> tuple[Prefill, Sample]:
     model, tokenizer = gemma
-    needle = make_samples("niah_single", tokenizer, tokens, n=1, seed=3, haystack=load_haystack(essays_dir))[
+    needle = make_samples("niah_single", tokenizer, tokens, n=1, seed=3, haystack=load_haystack(prose_dir))[
         0
     ]
     text, _ = prompt_for(needle, tokenizer, chat=GEMMA.chat)
@@ -102,13 +102,13 @@ def needle_prefill(gemma, essays_dir, tokens: int) -> tuple[Prefill, Sample]:
 
 
 @pytest.fixture(scope="module")
-def prefilled_2k(gemma, essays_dir):
-    return needle_prefill(gemma, essays_dir, 2000)
+def prefilled_2k(gemma, prose_dir):
+    return needle_prefill(gemma, prose_dir, 2000)
 
 
 @pytest.fixture(scope="module")
-def prefilled_8k(gemma, essays_dir):
-    return needle_prefill(gemma, essays_dir, 8000)
+def prefilled_8k(gemma, prose_dir):
+    return needle_prefill(gemma, prose_dir, 8000)
 
 
 def check_decode_against_reference(model, prefilled: Prefill, method: str) -> KVPCache:
@@ -241,11 +241,11 @@ AttentionInterface.register("kvp_record_queries", _recording_attention)
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_captured_queries_equal_the_models_own(gemma, essays_dir):
+def test_captured_queries_equal_the_models_own(gemma, prose_dir):
     """q_proj, q_norm and the RoPE of each layer type, as recomputed by the capture, against the queries
     the attention function receives, on all 18 layers; and the RoPE step of each layer type."""
     model, tokenizer = gemma
-    text = load_haystack(essays_dir)[:3000]
+    text = load_haystack(prose_dir)[:3000]
     input_ids = tokenizer(text, return_tensors="pt").input_ids[:, :600]
     captured: dict = {}
     capture = QueryCapture(model, window=-1, layer_indices=set(range(18)))

@@ -20,8 +20,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def essays(essays_dir):
-    return ruler.load_haystack(essays_dir)
+def prose(prose_dir):
+    return ruler.load_haystack(prose_dir)
 
 
 class WhitespaceTokenizer:
@@ -40,8 +40,8 @@ def prompt_tokens(tokenizer, sample: ruler.Sample) -> int:
 
 @pytest.mark.parametrize("task", ruler.TASKS)
 @pytest.mark.parametrize("target", [1024, 4096])
-def test_length_close_to_target(tokenizer, essays, task, target):
-    for haystack in (None, essays):
+def test_length_close_to_target(tokenizer, prose, task, target):
+    for haystack in (None, prose):
         for sample in ruler.make_samples(task, tokenizer, target, n=2, seed=3, haystack=haystack):
             assert abs(prompt_tokens(tokenizer, sample) - target) <= 0.1 * target
 
@@ -75,8 +75,8 @@ def asked_keys(question: str) -> list[str]:
     "task, needles, asked",
     [("niah_single", 1, 1), ("niah_multikey", 4, 1), ("niah_multivalue", 4, 1), ("niah_multiquery", 4, 4)],
 )
-def test_niah_answers_are_the_asked_needles(tokenizer, essays, task, needles, asked):
-    for sample in ruler.make_samples(task, tokenizer, 1024, n=4, seed=1, haystack=essays):
+def test_niah_answers_are_the_asked_needles(tokenizer, prose, task, needles, asked):
+    for sample in ruler.make_samples(task, tokenizer, 1024, n=4, seed=1, haystack=prose):
         found = NEEDLE_RE.findall(sample.context)
         assert len(found) == needles
         keys = asked_keys(sample.question)
@@ -97,8 +97,8 @@ def test_needle_depths_spread_over_the_context(tokenizer):
     assert min(depths) < 0.25 and max(depths) > 0.75
 
 
-def test_vt_answers_follow_the_chain(tokenizer, essays):
-    for sample in ruler.make_samples("vt", tokenizer, 1024, n=3, seed=2, haystack=essays):
+def test_vt_answers_follow_the_chain(tokenizer, prose):
+    for sample in ruler.make_samples("vt", tokenizer, 1024, n=3, seed=2, haystack=prose):
         value = re.search(r"assigned the value (\d+)", sample.question).group(1)
         holding = set()
         for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", sample.context):
@@ -155,14 +155,14 @@ def test_chat_prompt_splits_the_full_prompt(tokenizer):
     assert suffix.startswith("\n" + sample.question) and suffix.endswith(sample.answer_prefix)
 
 
-def test_load_haystack(tmp_path, essays_dir):
+def test_load_haystack(tmp_path, prose_dir):
     assert ruler.load_haystack(None) == ruler.NOISE
     (tmp_path / "b.txt").write_text("Second essay.")
     (tmp_path / "a.txt").write_text("First essay.")
     (tmp_path / "notes.md").write_text("Not an essay.")
     assert ruler.load_haystack(tmp_path) == "First essay.\nSecond essay."
-    first = sorted(essays_dir.glob("*.txt"))[0].read_text(encoding="utf-8")
-    assert ruler.load_haystack(str(essays_dir)).startswith(first + "\n")
+    first = sorted(prose_dir.glob("*.txt"))[0].read_text(encoding="utf-8")
+    assert ruler.load_haystack(str(prose_dir)).startswith(first + "\n")
 
 
 def test_errors(tmp_path, tokenizer):
@@ -209,14 +209,14 @@ def ingredients(sample: ruler.Sample, sentences: list[str]) -> dict[str, set]:
 
 
 @pytest.mark.parametrize("task", ruler.TASKS)
-def test_splits_share_no_sample_needle_depth_or_window(tokenizer, essays, task):
+def test_splits_share_no_sample_needle_depth_or_window(tokenizer, prose, task):
     """No evaluation (val/test) sample, needle key or value, depth, haystack window or answer equals a
-    training one, with the essays as haystack for every split."""
-    sentences = ruler.split_sentences(essays)
+    training one, with the same prose haystack for every split."""
+    sentences = ruler.split_sentences(prose)
     seen: dict[str, dict[str, set]] = {}
     for split in ruler.SPLITS:
         seen[split] = {}
-        for sample in ruler.make_samples(task, tokenizer, 512, n=12, seed=0, haystack=essays, split=split):
+        for sample in ruler.make_samples(task, tokenizer, 512, n=12, seed=0, haystack=prose, split=split):
             assert sample.facts["split"] == split
             for name, items in ingredients(sample, sentences).items():
                 seen[split].setdefault(name, set()).update(items)

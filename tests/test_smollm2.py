@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def needle_prompt(smollm2, essays_dir):
+def needle_prompt(smollm2, prose_dir):
     model, tokenizer = smollm2
-    sample = make_samples("niah_single", tokenizer, 2000, n=1, seed=3, haystack=load_haystack(essays_dir))[0]
+    sample = make_samples("niah_single", tokenizer, 2000, n=1, seed=3, haystack=load_haystack(prose_dir))[0]
     prefix, suffix = chat_prompt(sample, tokenizer, question_in_context=True)
     return sample, tokenizer(prefix + suffix, return_tensors="pt", add_special_tokens=False).input_ids
 

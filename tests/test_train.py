@@ -198,7 +198,7 @@ def test_dialogue_is_held_out_by_conversation():
         assert len(side) >= 15  # conversations of most topics, not a few whole topics
 
 
-def test_log_uniform_lengths_and_synthetic_examples(essays_dir):
+def test_log_uniform_lengths_and_synthetic_examples(prose_dir):
     import random
 
     rng = random.Random(0)
@@ -209,9 +209,9 @@ def test_log_uniform_lengths_and_synthetic_examples(essays_dir):
     with pytest.raises(ValueError, match="low <= high"):
         data.log_uniform_length(rng, 10, 5)
     tokenizer = ByteTokenizer()
-    inside = data.synthetic_examples(tokenizer, 2, (300, 600), 0, essays_dir, ["niah_single"])
+    inside = data.synthetic_examples(tokenizer, 2, (300, 600), 0, prose_dir, ["niah_single"])
     after = data.synthetic_examples(
-        tokenizer, 2, (300, 600), 0, essays_dir, ["niah_single"], question_after=True
+        tokenizer, 2, (300, 600), 0, prose_dir, ["niah_single"], question_after=True
     )
     for a, b in zip(inside, after, strict=True):
         answer = tokenizer.decode(a.future_ids)
@@ -667,7 +667,7 @@ def assert_fit_made_the_shipped_policy(fit_config, shipped_name: str) -> None:
 # ---------------------------------------------------------------- downstream validation
 
 
-def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, essays_dir):
+def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, prose_dir):
     """The held-out examples are exactly the traced ones; each NLL equals a cache built and fed directly."""
     from conftest import TINY_CONFIGS
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -683,7 +683,7 @@ def test_downstream_scores_held_out_examples_against_a_direct_cache(tmp_path, es
     model = AutoModelForCausalLM.from_config(config).eval()
     tokenizer = AutoTokenizer.from_pretrained(MODELS["smollm2"].converted_dir())
     collect_config = collect.CollectConfig(
-        str(tmp_path / "traces"), model="tiny", text_files=[str(essays_dir)], text_windows=6,
+        str(tmp_path / "traces"), model="tiny", text_files=[str(prose_dir)], text_windows=6,
         context_tokens=(48, 64), future_tokens=(5, 8), val_fraction=0.5, shard_size=2,
     )  # fmt: skip
     collect.collect(collect_config, model=model, tokenizer=tokenizer)

@@ -42,7 +42,7 @@ from kvp_cache.compat import attention_shape, cache_kwarg, evicting_layer_indice
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.scorers import make_scorer, methods
 from train import data
-from train.corpora import CORPORA, DEFAULT_ESSAYS, Keep, documents, keep_all
+from train.corpora import CORPORA, Keep, documents, keep_all
 from train.targets import future_attention, value_output_norms
 from train.traces import shard_dir, shard_done, write_shard
 
@@ -72,7 +72,7 @@ class CollectConfig:
     only_correct: bool = True
     ruler_split: str = "train"
     windows: dict[str, int] = field(default_factory=dict)
-    essays_dir: str = str(DEFAULT_ESSAYS)
+    essays_dir: str | None = None
     text_files: list[str] | None = None
     hf_dataset: str | None = None
     hf_split: str = "train"
@@ -574,7 +574,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"text windows per corpus {sorted(CORPORA)}",
     )
     parser.add_argument(
-        "--essays-dir", default=defaults.essays_dir, help="essay .txt dir (haystack and text)"
+        "--essays-dir",
+        default=defaults.essays_dir,
+        help="Paul Graham essays *.txt: the RULER haystack (default: RULER noise) and the essays corpus",
     )
     parser.add_argument("--text-files", nargs="*", default=None, help=".txt/.md/.jsonl files or directories")
     parser.add_argument("--hf-dataset", default=None, help="Hugging Face dataset name (needs network)")

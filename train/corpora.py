@@ -1,6 +1,7 @@
 """Real text to train on, by corpus name; the evaluation's held-out text is refused.
 
-- ``essays``: the Paul Graham essays in ``../shared/data/pg_essays`` (prose);
+- ``essays``: Paul Graham essays from ``--essays-dir`` (prose; not shipped, their license does not
+  allow it: only for users who have them);
 - ``code``: Python source of the third-party packages installed in this environment (site-packages);
 - ``native_code``: their C, C++, CUDA, Cython and JavaScript source, taken round-robin over packages
   (one package's headers would otherwise be nearly all of it);
@@ -25,7 +26,6 @@ from pathlib import Path
 
 from eval.corpora import is_held_out, refuse_held_out
 
-DEFAULT_ESSAYS = Path(__file__).resolve().parents[2] / "shared" / "data" / "pg_essays"
 # Files past this size are mostly generated tables or vendored bundles, not code people write.
 MAX_FILE_BYTES = 200_000
 MIN_DOCUMENT_CHARS = 500
@@ -61,7 +61,11 @@ def code_files(suffixes: tuple[str, ...] = (".py",)) -> list[Path]:
     ]
 
 
-def essays(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+def essays(essays_dir: str | Path | None, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+    if essays_dir is None:
+        raise ValueError(
+            "corpus 'essays' needs --essays-dir: a folder of Paul Graham essays (*.txt), not shipped"
+        )
     refuse_held_out([essays_dir])
     files = sorted(Path(essays_dir).glob("*.txt"))
     if not files:
@@ -69,14 +73,16 @@ def essays(essays_dir: str | Path, rng: random.Random, max_chars: int | None, ke
     return _read(files, rng, max_chars, keep)
 
 
-def code(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+def code(essays_dir: str | Path | None, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     files = code_files()
     if not files:
         raise FileNotFoundError(f"no third-party Python source under {site_packages()}")
     return _read(files, rng, max_chars, keep)
 
 
-def native_code(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+def native_code(
+    essays_dir: str | Path | None, rng: random.Random, max_chars: int | None, keep: Keep
+) -> list[str]:
     by_package: dict[str, list[Path]] = {}
     for path in code_files(NATIVE_SUFFIXES):
         by_package.setdefault(path.relative_to(site_packages()).parts[0], []).append(path)
@@ -88,7 +94,7 @@ def native_code(essays_dir: str | Path, rng: random.Random, max_chars: int | Non
     return _read(round_robin, None, max_chars, keep)
 
 
-def docs(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+def docs(essays_dir: str | Path | None, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
     texts = []
     for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
         if is_held_out(dist.metadata["Name"] or ""):
@@ -122,7 +128,9 @@ def conversations() -> list[list[str]]:
     return topics
 
 
-def dialogue(essays_dir: str | Path, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+def dialogue(
+    essays_dir: str | Path | None, rng: random.Random, max_chars: int | None, keep: Keep
+) -> list[str]:
     # A topic file holds a hundred conversations: ``keep`` takes or leaves each conversation.
     texts = ["\n".join(c for c in topic if keep(c)) for topic in conversations()]
     rng.shuffle(texts)
@@ -142,7 +150,7 @@ def documents(
     name: str,
     seed: int,
     max_chars: int | None = None,
-    essays_dir: str | Path = DEFAULT_ESSAYS,
+    essays_dir: str | Path | None = None,
     keep: Keep | None = None,
 ) -> list[str]:
     """Documents of corpus ``name`` in a seeded order, stopping once ``max_chars`` are read (None: all).

@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from kvp_cache.policy import POSITION_STRATEGIES, HeadAgents, KVPolicy, load_policy
+from kvp_cache.provenance import portable_command
 from train import plots, rl, supervised
 from train.batch import Batch, pad_batch
 from train.reward import rank_by_scores, ranking_reward
@@ -82,7 +83,7 @@ class FitConfig:
     train_split: str = "train"
     val_split: str = "val"
     seed: int = 0
-    command: str = field(default_factory=lambda: " ".join(["python -m train", *sys.argv[1:]]))
+    command: str = field(default_factory=lambda: portable_command(["python -m train", *sys.argv[1:]]))
 
     def validate(self) -> None:
         if self.objective not in OBJECTIVES:

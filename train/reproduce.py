@@ -113,9 +113,15 @@ RECIPES = {
 }
 
 
-def collect_configs(traces: Path, model: str = "smollm2") -> list[CollectConfig]:
-    """Step 1: the recipe's collections into ``traces``, shards of 8 samples."""
-    return [CollectConfig(str(traces), shard_size=8, **settings) for settings in RECIPES[model].collections]
+def collect_configs(
+    traces: Path, model: str = "smollm2", essays_dir: str | None = None
+) -> list[CollectConfig]:
+    """Step 1: the recipe's collections into ``traces``, shards of 8 samples. Both recipes read the
+    Paul Graham essays (haystack and text windows), which are not shipped: ``essays_dir``."""
+    return [
+        CollectConfig(str(traces), shard_size=8, essays_dir=essays_dir, **settings)
+        for settings in RECIPES[model].collections
+    ]
 
 
 def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str = "smollm2") -> FitConfig:
@@ -155,7 +161,7 @@ def reproduce_command(args: argparse.Namespace) -> None:
     run_dir = Path(args.run_dir or f"runs/{args.model}")
     report = Path(args.report_dir or RECIPES[args.model].report_dir)
     traces, fit_dir = run_dir / "traces", run_dir / "fit"
-    collections = collect_configs(traces, args.model)
+    collections = collect_configs(traces, args.model, args.essays_dir)
     for config in collections:
         collect(config)
     policy_dir = fit(fit_config(traces, fit_dir, args.objective, args.model))
@@ -175,6 +181,11 @@ def reproduce_command(args: argparse.Namespace) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=sorted(RECIPES), help="whose shipped policy")
+    parser.add_argument(
+        "--essays-dir",
+        required=True,
+        help="the Paul Graham essays (*.txt) the recipes were collected with: haystack and text windows",
+    )
     parser.add_argument("--run-dir", default=None, help="traces/ and fit/ go here (default: runs/<model>)")
     parser.add_argument(
         "--report-dir", default=None, help="evaluation tables and figures (default: the recipe's docs/<dir>)"
