@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
@@ -42,7 +43,7 @@ from kvp_cache.capture import append_queries, drop_last_queries, map_query_batch
 from kvp_cache.compat import attention_shape, check_decoder_config, evicting_layer_indices, text_config
 from kvp_cache.hooks import ForwardContext, ModelHooks
 from kvp_cache.prefill import Prefill
-from kvp_cache.scorers import QueryStates, Scorer, make_scorer
+from kvp_cache.scorers import QueryStates, Scorer, make_scorer, methods
 
 
 @dataclass(frozen=True)
@@ -352,7 +353,14 @@ def cache_bytes(cache: Cache) -> int:
     return sum(layer_bytes(layer) for layer in cache.layers)
 
 
-def _build_scorer(method: str | Scorer, options: dict) -> Scorer:
+def _build_scorer(method: str | Scorer | None, options: dict) -> Scorer:
+    if method is None:  # a policy says which method it is for
+        method = "kvp" if "policy" in options else "knorm"
+    if "policy" in options and isinstance(method, str) and method not in methods(learned=True):
+        raise TypeError(
+            f"policy= belongs to the learned method(s) {methods(learned=True)}, not to method {method!r}: "
+            "drop method= (a policy implies method='kvp') or drop policy="
+        )
     if isinstance(method, Scorer):
         if options:
             raise TypeError(
@@ -391,7 +399,8 @@ class KVPCache(Cache):
         model_or_config: the model the cache will be used with (enables query-aware methods and
             pad-aware eviction inside ``generate``), or its config (key/value-only methods).
         method: a name from :func:`kvp_cache.scorers.methods`, or a ready :class:`~kvp_cache.scorers.Scorer`
-            instance (for scorers that are not registered, such as an evaluation oracle).
+            instance (for scorers that are not registered, such as an evaluation oracle). Default:
+            ``"kvp"`` when a ``policy=`` is given, else ``"knorm"``.
         budget: float in (0, 1], the fraction of each row's tokens kept per head, or int >= 1,
             the number of tokens kept per head.
         sink_tokens, window_tokens: the first and last tokens always kept.
@@ -410,7 +419,7 @@ class KVPCache(Cache):
     def __init__(
         self,
         model_or_config: PreTrainedModel | PretrainedConfig,
-        method: str | Scorer = "knorm",
+        method: str | Scorer | None = None,
         budget: Budget = 0.25,
         sink_tokens: int = 4,
         window_tokens: int = 16,
@@ -527,6 +536,25 @@ class KVPCache(Cache):
             else:
                 cache.layers[i] = copy.deepcopy(source)
         return cache
+
+    @classmethod
+    def from_saved(cls, directory: str | Path, model: PreTrainedModel, policy=None) -> KVPCache:
+        """The cache :meth:`save_pretrained` wrote to ``directory``, ready to continue with ``model``.
+
+        It continues exactly as the saved cache would have (see :mod:`kvp_cache.saved_cache`);
+        a cache saved for another model or cache layout, or a changed tensor file, is refused.
+        ``policy`` (method ``kvp``): where to find the recorded policy if its name or directory
+        is not available here; its weights must have the recorded sha256.
+        """
+        from kvp_cache.saved_cache import load_cache  # saved_cache builds KVPCaches
+
+        return load_cache(directory, model, policy=policy)
+
+    def save_pretrained(self, save_directory: str | Path) -> Path:
+        """Write the cache to ``save_directory`` (safetensors and a JSON record) for :meth:`from_saved`."""
+        from kvp_cache.saved_cache import save_cache
+
+        return save_cache(self, self._hooks.model() if self._hooks is not None else None, save_directory)
 
     @property
     def evicting_layers(self) -> list[EvictingLayer]:

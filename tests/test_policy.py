@@ -512,6 +512,19 @@ def test_scorer_needs_a_policy(llama):
         make_scorer("kvp", policy=torch.nn.Linear(2, 2))
 
 
+def test_a_policy_implies_the_learned_method(llama, tmp_path):
+    policy = tiny_policy(llama, seed=2)
+    policy.save_pretrained(tmp_path)
+    cache = KVPCache(llama, policy=str(tmp_path), budget=0.5)
+    assert (
+        cache.method == "kvp"
+        and cache.settings.scorer.policy.weights_sha256 == load_policy(tmp_path).weights_sha256
+    )
+    assert KVPCache(llama).method == "knorm"  # no policy: the default key/value-only method
+    with pytest.raises(TypeError, match=r"policy= belongs to .*'kvp'.*not to method 'snapkv'"):
+        KVPCache(llama, method="snapkv", policy=policy)
+
+
 @pytest.mark.parametrize("source", ["object", "directory"])
 def test_cache_keeps_the_policy_top_entries(llama, tmp_path, source):
     policy = tiny_policy(llama, seed=2)
