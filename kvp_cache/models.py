@@ -142,18 +142,34 @@ def load_model(
 ):
     """``(model, tokenizer)`` in eval mode: a registered offline model (:data:`MODELS`), or a
     transformers directory or Hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     device = available_device(device)
-    offline = MODELS.get(name)
-    path = offline.converted_dir() if offline is not None else name
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if offline is not None:
-        offline.check_tokenizer(tokenizer)  # also catches a wrong copy cached before this check existed
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    if offline is not None:
-        model.config.name_or_path = offline.model_id
+    tokenizer = load_tokenizer(name)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint_path(name), dtype=dtype, attn_implementation=attn_implementation
+    )
+    if name in MODELS:
+        model.config.name_or_path = MODELS[name].model_id
     return model.to(device).eval(), tokenizer
+
+
+def checkpoint_path(name: str) -> str:
+    """Where transformers loads ``name`` from: a registered offline model's converted checkpoint
+    (converted on first use), else ``name`` itself (a transformers directory or Hub id)."""
+    offline = MODELS.get(name)
+    return str(offline.converted_dir()) if offline is not None else name
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of ``name`` (a registered offline model, a directory or a Hub id); a registered
+    model's is checked against its correct conversion (:meth:`OfflineModel.check_tokenizer`)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint_path(name))
+    if name in MODELS:
+        MODELS[name].check_tokenizer(tokenizer)  # also catches a wrong copy cached before this check existed
+    return tokenizer
 
 
 def available_device(device: str | torch.device) -> torch.device:

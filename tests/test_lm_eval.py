@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,19 +23,19 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from kvp_cache import KVPCache  # noqa: E402
 from kvp_cache.integrations import cache_kwarg, forward_tokens  # noqa: E402
 from kvp_cache.integrations.lm_eval import KVPLM, SPLIT_MARKER, split_at_marker  # noqa: E402
+from kvp_cache.models import MODELS  # noqa: E402
 
 HEAD = "The quick brown fox jumps over the lazy dog.\n" * 6
 QUESTION = "Question: what did the fox do?\nAnswer:"
 CONTEXT = HEAD + QUESTION
 CHOICES = [" yes", " no", " it jumped over it", " a b c d e f"]
 GEN = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False}
+TASKS_DIR = Path(__file__).resolve().parents[1] / "eval" / "tasks"
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama with SmolLM2's tokenizer (vocab 49152), saved as lm-eval loads models."""
-    from kvp_cache.models import MODELS
-
     torch.manual_seed(0)
     config = TINY_CONFIGS["llama"]()
     config.vocab_size, config.tie_word_embeddings = 49152, True
@@ -342,6 +344,95 @@ def test_cli_entry_point(tiny_dir, tmp_path):
         f"pretrained={tiny_dir},method=snapkv,budget=8,option_window_size=4", {"device": "cpu"}
     )
     assert (lm.kvp_budget, lm.kvp_options) == (8, {"window_size": 4})
+
+
+@pytest.fixture
+def registered_tiny(tiny_dir, tmp_path, monkeypatch):
+    """A registered offline name whose converted checkpoint (under ``$KVP_CACHE_HOME``) is the tiny model.
+
+    It carries SmolLM2's tokenizer, so SmolLM2's tokenizer check applies to it unchanged.
+    """
+    monkeypatch.setenv("KVP_CACHE_HOME", str(tmp_path / "kvp_home"))
+    (tmp_path / "kvp_home").mkdir()
+    (tmp_path / "kvp_home" / "tiny-llama").symlink_to(tiny_dir)
+    monkeypatch.setitem(MODELS, "tiny", dataclasses.replace(MODELS["smollm2"], model_id="test/tiny-llama"))
+    return "tiny"
+
+
+def test_pretrained_takes_a_registered_name(registered_tiny, tiny_dir):
+    lm = make_lm(KVPLM, registered_tiny, method="knorm", budget=8)
+    assert lm.model.config.name_or_path == "test/tiny-llama"  # as load_model records it
+    assert lm.pretrained == "tiny"
+    requests = gen_requests([CONTEXT])
+    assert lm.generate_until(requests) == make_lm(KVPLM, tiny_dir, method="knorm", budget=8).generate_until(
+        requests
+    )
+    assert lm.loglikelihood(ll_requests()) == make_lm(KVPLM, tiny_dir, budget=8).loglikelihood(ll_requests())
+
+
+def test_registered_name_checks_its_tokenizer(registered_tiny, monkeypatch):
+    monkeypatch.setitem(
+        MODELS, registered_tiny, dataclasses.replace(MODELS[registered_tiny], probe_ids=(1, 2))
+    )
+    with pytest.raises(RuntimeError, match="converts the GGUF tokenizer wrongly"):
+        make_lm(KVPLM, registered_tiny)
+
+
+def test_cli_ruler_task_with_a_registered_name(registered_tiny, tiny_dir, tmp_path, monkeypatch):
+    """``pretrained=<name>`` reaches both the model and the RULER data (which sizes prompts with its
+    tokenizer); the results name the model, not the local checkpoint."""
+    from kvp_cache.integrations.lm_eval import main
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "kvp-lm-eval",
+            "--model",
+            "kvp",
+            "--model_args",
+            f"pretrained={registered_tiny},budget=0.5,attn_implementation=eager",
+            "--tasks",
+            "kvp_ruler_niah_single_qin",
+            "--include_path",
+            str(TASKS_DIR),
+            "--metadata",
+            '{"max_seq_lengths": [1024], "num_samples": 1}',
+            "--gen_kwargs",
+            "max_gen_toks=4",
+            "--device",
+            "cpu",
+            "--output_path",
+            str(out),
+        ],
+    )
+    main()
+    monkeypatch.setattr(sys, "argv", [*sys.argv, "--apply_chat_template"])
+    with pytest.raises(ValueError, match="run them without --apply_chat_template"):
+        main()
+    (path,) = out.rglob("results_*.json")
+    text = path.read_text()
+    results = json.loads(text)
+    assert results["model_name"] == registered_tiny
+    provenance = results["config"]["provenance"]  # ours, with lm-eval's own config
+    assert provenance["model"] == registered_tiny and provenance["git_commit"]
+    assert provenance["command"].startswith("kvp-lm-eval ")  # lm-eval adds its subcommand after the program
+    assert "--model_args pretrained=tiny," in provenance["command"]
+    assert "--include_path eval/tasks " in provenance["command"]
+    assert results["n-samples"]["kvp_ruler_niah_single_qin"]["effective"] == 1
+    assert results["results"]["kvp_ruler_niah_single_qin"]["1024,none"] in (0.0, 1.0)
+    assert str(tmp_path) not in text and tiny_dir not in text
+
+
+def test_chat_template_is_not_applied_twice(tiny_dir):
+    lm = make_lm(KVPLM, tiny_dir)
+    plain = [{"role": "user", "content": CONTEXT}]
+    expected = make_lm(HFLM, tiny_dir).apply_chat_template(plain)
+    assert lm.apply_chat_template(plain) == expected and CONTEXT in expected
+    templated = [{"role": "user", "content": expected + SPLIT_MARKER + "Answer:"}]
+    with pytest.raises(ValueError, match="already holds the model's chat template"):
+        lm.apply_chat_template(templated)
 
 
 def test_prefill_and_continuation_equal_one_forward(tiny_dir):

