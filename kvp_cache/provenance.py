@@ -81,16 +81,26 @@ def portable_argument(text: str) -> str:
     return text
 
 
+def _module_run(script: Path) -> str | None:
+    """The module name when this process runs ``script`` as ``python -m <module>`` (argv[0] is then
+    the module's file, which alone cannot tell ``-m eval.headroom`` from ``eval/headroom.py``)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None or not spec.origin or Path(spec.origin).resolve() != script.resolve():
+        return None
+    return spec.name.removesuffix(".__main__")
+
+
 def portable_command(argv: list[str]) -> str:
-    """``argv`` as a command to run from the repository root: ``python -m eval ...`` for a package's
-    ``__main__.py``, ``python bench/x.py ...`` for a script of the repository, paths as
-    :func:`portable_path`."""
+    """``argv`` as a command to run from the repository root: ``python -m eval ...`` for a module run
+    or a package's ``__main__.py``, ``python bench/x.py ...`` for a script of the repository, paths
+    as :func:`portable_path`."""
     program, *arguments = argv
     script = Path(os.path.abspath(program))
     if script.suffix == ".py" and script.is_relative_to(REPO):
         relative = script.relative_to(REPO)
         is_package_main = relative.name == "__main__.py" and len(relative.parts) == 2
-        program = f"python -m {relative.parts[0]}" if is_package_main else f"python {relative.as_posix()}"
+        module = _module_run(script) or (relative.parts[0] if is_package_main else None)
+        program = f"python -m {module}" if module else f"python {relative.as_posix()}"
     elif os.path.isabs(program):
         program = script.name  # a console script such as kvp-lm-eval
     return " ".join([program, *map(portable_argument, arguments)])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
+import types
 
 import pytest
 
@@ -24,6 +26,15 @@ def test_repository_scripts_become_module_or_relative_commands():
         portable_command(["/somewhere/.venv/bin/kvp-lm-eval", "--model", "kvp"]) == "kvp-lm-eval --model kvp"
     )
     assert portable_command(["python -m eval", "sweep"]) == "python -m eval sweep"
+
+
+def test_a_module_run_is_recorded_as_one(monkeypatch):
+    script = REPO / "eval" / "headroom.py"
+    main = types.SimpleNamespace(__spec__=types.SimpleNamespace(name="eval.headroom", origin=str(script)))
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert portable_command([str(script), "--threads", "1"]) == "python -m eval.headroom --threads 1"
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=None))
+    assert portable_command([str(script), "--threads", "1"]) == "python eval/headroom.py --threads 1"
 
 
 def test_paths_inside_stay_relative_and_outside_data_is_named_by_content(tmp_path):

@@ -1,0 +1,594 @@
+"""``python -m eval.headroom``: what adaptive per-head budgets could give, measured with the oracle.
+
+Every KV head keeps the same share of its prompt today. This measures, at equal total entries, the
+oracle (:mod:`eval.oracle`: each entry scored by the gold future's attention to it) under the
+three allocations of :mod:`kvp_cache.allocation`: ``uniform`` (today's oracle row), ``layer``
+(per-layer budgets) and ``head`` (one global top-k over every layer, head and token, with a small
+minimum per head). A headroom study, not a method: the oracle knows the future.
+
+Each example is prefilled once with the model's own attention. Each (allocation, budget) then runs
+the future on a copy of that cache with :func:`prompt_mask`: an eager attention in which, on the
+evicting layers (:func:`kvp_cache.compat.evicting_layer_indices`), every KV head sees only ITS OWN
+kept prompt entries, and every other mask is the model's own (causal, sliding windows). That is
+what a cache holding those entries computes, for any per-head counts (``tests/test_headroom.py``
+checks it against the per-head mask of ``tests/reference.py`` for uneven counts, and against
+``KVPCache``'s oracle row for the uniform allocation).
+
+Validation data only, never the benchmark's held-out corpora (:mod:`eval.corpora`):
+
+- text: windows of ``context_tokens`` plus ``continuation_tokens`` from the documents the training
+  corpora hold out (:func:`train.data.is_held_out_document`, cut as ``train collect`` cuts its
+  held-out windows); the score is the continuation's NLL per token minus the full cache's;
+- needles: ``kvp_cache.ruler`` samples of the ``val`` split (as ``train collect`` builds them, gold
+  answer as the oracle's future), question inside the compressed prompt (``question_in``) or asked
+  after it (``question_after``): greedy answers scored by :func:`kvp_cache.ruler.score`, and the
+  gold answer's NLL per token minus the full cache's, which still tells allocations apart when
+  they all find the needle.
+
+Records go to ``<out>/headroom_<model>.jsonl`` as they finish (a rerun reuses those made with the
+same settings and tokens); the summary to ``headroom_<model>.{json,md}``, with provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from eval.__main__ import comma_list
+from eval.benchmark import TEMPLATE_TOKENS, digest
+from eval.oracle import oracle_scorer
+from eval.report import signed_interval
+from eval.stats import bootstrap_interval, wilson_interval
+from eval.sweep import FULL, MAX_NEW_TOKENS
+from kvp_cache import ruler
+from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, allocate
+from kvp_cache.budget import Budget, parse_budget
+from kvp_cache.cli import add_protected_tokens_arguments
+from kvp_cache.compat import evicting_layer_indices
+from kvp_cache.integrations import forward_tokens
+from kvp_cache.models import load_model
+from kvp_cache.prefill import prefill
+from kvp_cache.provenance import portable_config, provenance
+from kvp_cache.tables import markdown_table
+from train.collect import CHARS_PER_TOKEN_READ, greedy_continue, parse_windows, uses_chat
+from train.corpora import documents
+from train.data import Example, interleave, is_held_out_document, synthetic_examples, text_examples
+
+HEADROOM_ATTENTION = "kvp_headroom"
+PERPLEXITY = "perplexity"
+PROTOCOLS = ("question_in", "question_after")
+ALL = "all"
+REFERENCE = "uniform"
+"""The allocation every other one is compared with, example by example."""
+
+
+@dataclass
+class HeadroomConfig:
+    """What the study covers; the CLI flags map one to one.
+
+    windows: held-out text windows per training corpus (``train.corpora``). dialogue holds out
+    about 8K tokens, so 3 windows of 2K at most. samples: needle samples per task and protocol.
+    """
+
+    model: str = "smollm2"
+    out: str = "docs/adaptive"
+    windows: dict[str, int] = field(default_factory=lambda: {"code": 8, "docs": 8, "dialogue": 3})
+    context_tokens: int = 2048
+    continuation_tokens: int = 128
+    text_budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25])
+    tasks: list[str] = field(default_factory=lambda: ["niah_single", "niah_multikey"])
+    samples: int = 10
+    needle_context: int = 2048
+    protocols: list[str] = field(default_factory=lambda: list(PROTOCOLS))
+    needle_budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1])
+    min_per_head: int | None = None
+    sink_tokens: int = 4
+    window_tokens: int = 16
+    val_fraction: float = 0.12
+    essays_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.protocols) - set(PROTOCOLS))
+        if unknown:
+            raise ValueError(f"protocols must be among {PROTOCOLS}, got {unknown}")
+        unknown = sorted(set(self.tasks) - set(MAX_NEW_TOKENS))
+        if unknown:
+            raise ValueError(f"tasks must be among {sorted(MAX_NEW_TOKENS)}, got {unknown}")
+        for name in ("context_tokens", "continuation_tokens", "needle_context"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2 tokens, got {getattr(self, name)}")
+        if self.samples < 0 or any(count < 0 for count in self.windows.values()):
+            raise ValueError(f"samples and window counts must be >= 0, got {self.samples}, {self.windows}")
+
+    def fingerprint(self) -> str:
+        """What every record depends on besides its own tokens (which records hash themselves)."""
+        keys = {
+            "sink": self.sink_tokens,
+            "window": self.window_tokens,
+            "min_per_head": self.min_per_head,
+            "min_extra": MIN_EXTRA_PER_HEAD,
+            "essays_dir": Path(self.essays_dir).name if self.essays_dir else None,
+        }
+        return digest(keys)
+
+
+def budget_key(mode: str, budget: Budget) -> str:
+    """How records name an answer: ``<mode>@<budget>``."""
+    return f"{mode}@{budget}"
+
+
+# -- the masked forward ------------------------------------------------------------------------
+
+_KEPT: dict[int, torch.Tensor] = {}  # layer -> bool [kv_heads, prompt_tokens] while prompt_mask is active
+
+
+def masked_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs
+):
+    """Eager attention (``query`` ``[b, q_heads, q, d]``, ``key``/``value`` ``[b, kv_heads, k, d]``,
+    ``attention_mask`` the model's additive ``[b, 1, q, k]``) where, on a layer of ``_KEPT``, key ``j``
+    of the prompt is seen by the query heads of KV head ``h`` only if ``_KEPT[layer][h, j]``."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    logits = (query @ key.transpose(-1, -2)) * (module.scaling if scaling is None else scaling)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is not None:
+        logits = logits + attention_mask
+    kept = _KEPT.get(module.layer_idx)
+    if kept is not None:
+        prompt = kept.shape[-1]
+        hidden = ~kept.to(logits.device).repeat_interleave(groups, dim=0)[None, :, None, :]
+        logits[..., :prompt] = logits[..., :prompt].masked_fill(hidden, torch.finfo(logits.dtype).min)
+    weights = logits.softmax(-1, dtype=torch.float32).to(query.dtype)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(HEADROOM_ATTENTION, masked_attention)
+AttentionMaskInterface.register(HEADROOM_ATTENTION, eager_mask)
+
+
+@contextmanager
+def prompt_mask(model, kept: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Inside, each forward of ``model`` on a cache that starts with the prompt lets KV head ``h`` of
+    layer ``l`` see only the prompt entries ``kept[l][h]`` (bool ``[kv_heads, prompt_tokens]``);
+    layers not in ``kept`` and every token after the prompt are seen as the model's own masks say."""
+    previous = model.config._attn_implementation
+    _KEPT.clear()
+    _KEPT.update(kept)
+    model.set_attn_implementation(HEADROOM_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _KEPT.clear()
+
+
+# -- the examples ------------------------------------------------------------------------------
+
+
+def held_out_windows(config: HeadroomConfig, tokenizer, name: str, count: int) -> list[Example]:
+    """``count`` disjoint windows of corpus ``name``'s held-out documents, cut as ``train collect``
+    cuts its held-out windows (:func:`train.collect.text_windows`)."""
+    length = config.context_tokens + config.continuation_tokens
+    held = partial(is_held_out_document, val_fraction=config.val_fraction)
+    texts = documents(
+        name, config.seed, count * length * CHARS_PER_TOKEN_READ, essays_dir=config.essays_dir, keep=held
+    )
+    span = (config.context_tokens, config.context_tokens)
+    future = (config.continuation_tokens, config.continuation_tokens)
+    try:
+        examples = text_examples(tokenizer, texts, count, span, future, config.seed, f"{name}-held-out")
+    except ValueError as error:
+        raise ValueError(f"{name}: {error} (its held-out documents are all there is)") from None
+    return [replace(e, source=name) for e in examples]
+
+
+def needle_examples(config: HeadroomConfig, tokenizer, protocol: str) -> list[Example]:
+    """``samples`` val-split RULER prompts per task, sized as the benchmark sizes its prompts."""
+    answer = max(MAX_NEW_TOKENS[task] for task in config.tasks)
+    target = int(config.needle_context * (1 - ruler.LENGTH_TOLERANCE)) - answer - TEMPLATE_TOKENS
+    return synthetic_examples(
+        tokenizer,
+        config.samples * len(config.tasks),
+        (target, target),
+        config.seed,
+        config.essays_dir,
+        config.tasks,
+        question_after=protocol == "question_after",
+        split="val",
+        chat=uses_chat(config.model, tokenizer),
+    )
+
+
+def protocol_of(example: Example) -> str:
+    if example.sample is None:
+        return PERPLEXITY
+    return "question_after" if example.question_ids else "question_in"
+
+
+def examples(config: HeadroomConfig, tokenizer) -> list[Example]:
+    """Every example, sources interleaved so an unfinished run covers them all equally."""
+    groups = [held_out_windows(config, tokenizer, name, n) for name, n in config.windows.items() if n]
+    if config.samples:
+        groups += [needle_examples(config, tokenizer, protocol) for protocol in config.protocols]
+    return list(interleave(*groups))
+
+
+def tokens_digest(example: Example) -> str:
+    ids = [example.prompt_ids, example.question_ids, example.future_ids]
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+# -- one example -------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure(model, tokenizer, example: Example, config: HeadroomConfig) -> dict:
+    """One example's record: the full cache's and every (allocation, budget)'s NLL or answer."""
+    device = next(model.parameters()).device
+    prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
+    importance = oracle_scorer(model, prefilled, example.question_ids + example.future_ids).importance
+    text = example.sample is None
+    budgets = config.text_budgets if text else config.needle_budgets
+
+    def run(kept: dict[int, torch.Tensor]) -> tuple[str | None, float]:
+        """The greedy answer (needles; None for text) and the gold future's NLL under ``kept``."""
+        with prompt_mask(model, kept):
+            nll = future_nll(model, prefilled, example.question_ids, example.future_ids)
+            if text:
+                return None, nll
+            tokens = greedy_continue(
+                model,
+                copy.deepcopy(prefilled.cache),
+                prefilled.next_token_logits[0],
+                example.question_ids,
+                MAX_NEW_TOKENS[example.sample.task],
+            )
+            return tokenizer.decode(tokens, skip_special_tokens=True), nll
+
+    answers = {FULL: run({})}
+    layer_share = {}
+    for budget in budgets:
+        for mode in MODES:
+            kept = allocate(
+                importance, budget, mode, config.min_per_head, config.sink_tokens, config.window_tokens
+            )
+            answers[budget_key(mode, budget)] = run(kept)
+            if mode == "head":
+                layer_share[str(budget)] = [round(kept[layer].float().mean().item(), 5) for layer in kept]
+    nll = {key: value for key, (_, value) in answers.items()}
+    record = {
+        "uid": example.uid,
+        "source": example.source.removesuffix("-after"),
+        "protocol": protocol_of(example),
+        "prompt_tokens": len(example.prompt_ids),
+        "future_tokens": len(example.question_ids) + len(example.future_ids),
+        "tokens": tokens_digest(example),
+        "head_layer_share": layer_share,
+    }
+    if text:
+        return {**record, "nll": nll}
+    predictions = {key: prediction for key, (prediction, _) in answers.items()}
+    return {
+        **record,
+        "answers": list(example.sample.answers),
+        "predictions": predictions,
+        "scores": {key: ruler.score(example.sample, prediction) for key, prediction in predictions.items()},
+        "nll": nll,
+    }
+
+
+def future_nll(model, prefilled, question_ids: list[int], answer_ids: list[int]) -> float:
+    """Mean NLL per token of ``answer_ids`` teacher-forced after the prefilled prompt and
+    ``question_ids``, on a copy of the prefill's cache (for text, with no question, the benchmark's
+    :func:`eval.realtext.continuation_nll`): the first token from the prefill's logits, the rest
+    from one forward."""
+    device = prefilled.input_ids.device
+    sequence = torch.tensor([question_ids + answer_ids], device=device)
+    logits = prefilled.next_token_logits[:, None]
+    if sequence.shape[1] > 1:
+        rest = forward_tokens(model, copy.deepcopy(prefilled.cache), sequence[:, :-1]).float()
+        logits = torch.cat([logits, rest], dim=1)
+    answer = len(answer_ids)
+    return F.cross_entropy(logits[0, -answer:], sequence[0, -answer:]).item()
+
+
+# -- the run and its summary -------------------------------------------------------------------
+
+
+def expected_keys(config: HeadroomConfig, protocol: str) -> set[str]:
+    budgets = config.text_budgets if protocol == PERPLEXITY else config.needle_budgets
+    return {FULL} | {budget_key(mode, budget) for mode in MODES for budget in budgets}
+
+
+def read_records(path: Path, fingerprint: str) -> dict[str, dict]:
+    """The latest record of each uid made under ``fingerprint`` (a torn last line is ignored)."""
+    found = {}
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("fingerprint") == fingerprint:
+                found[record["uid"]] = record
+    return found
+
+
+def run_headroom(
+    config: HeadroomConfig, model=None, tokenizer=None, command: list[str] | None = None
+) -> dict:
+    """Measure every example not yet in the JSONL, then write the summary files.
+
+    command: the command line recorded in the provenance (default: ``sys.argv``).
+    """
+    if model is None:
+        model, tokenizer = load_model(config.model)
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"headroom_{config.model}"
+    log = stem.with_suffix(".jsonl")
+    fingerprint = config.fingerprint()
+    done = read_records(log, fingerprint)
+    items = examples(config, tokenizer)
+    records = []
+    for example in tqdm(items, desc=f"headroom {config.model}", unit="example"):
+        old = done.get(example.uid)
+        protocol = protocol_of(example)
+        fields = ["nll"] if protocol == PERPLEXITY else ["nll", "scores"]
+        complete = old and all(expected_keys(config, protocol) <= set(old.get(f, {})) for f in fields)
+        if complete and old["tokens"] == tokens_digest(example):
+            records.append(old)
+            continue
+        start, cpu = time.perf_counter(), time.process_time()
+        record = measure(model, tokenizer, example, config)
+        record.update(
+            seconds=round(time.perf_counter() - start, 2),
+            cpu_seconds=round(time.process_time() - cpu, 2),
+            fingerprint=fingerprint,
+        )
+        torn = log.exists() and log.stat().st_size > 0 and not log.read_bytes().endswith(b"\n")
+        with log.open("a", encoding="utf-8") as handle:
+            # After an interrupted write, start on a new line so the torn one stays alone.
+            handle.write(("\n" if torn else "") + json.dumps(record) + "\n")
+        records.append(record)
+    result = {
+        "provenance": provenance(config.model, str(next(model.parameters()).dtype), "cpu", command=command),
+        "config": portable_config(config),
+        "modes": list(MODES),
+        "reference": REFERENCE,
+        "evicting_layers": evicting_layer_indices(model.config),
+        **summarize(records, config),
+        "records": records,
+    }
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    stem.with_suffix(".md").write_text(markdown_report(result), encoding="utf-8")
+    return result
+
+
+def groups(records: list[dict], protocol: str) -> dict[str, list[dict]]:
+    """One protocol's records by source, then all of them pooled under :data:`ALL`."""
+    chosen = [r for r in records if r["protocol"] == protocol]
+    by_source: dict[str, list[dict]] = {}
+    for record in chosen:
+        by_source.setdefault(record["source"], []).append(record)
+    return {**dict(sorted(by_source.items())), **({ALL: chosen} if chosen else {})}
+
+
+METRICS = {"nll": "NLL increase per token", "scores": "accuracy"}
+"""Record fields summarized: the gold future's NLL (text and needles), needle answer scores."""
+
+
+def summarize(records: list[dict], config: HeadroomConfig) -> dict:
+    """``rows``: mean and 95% CI per (metric, protocol, source, mode, budget): ``nll``, the gold
+    future's NLL per token minus the full cache's (bootstrap), or ``scores``, needle accuracy
+    (Wilson); ``paired``: every other mode minus :data:`REFERENCE` on the same examples
+    (bootstrap); ``head_layer_share``: the mean share of each evicting layer's entries the
+    ``head`` allocation keeps, over the text windows."""
+    rows, paired = [], []
+    for protocol in (PERPLEXITY, *config.protocols):
+        budgets = config.text_budgets if protocol == PERPLEXITY else config.needle_budgets
+        for metric in ["nll"] if protocol == PERPLEXITY else ["scores", "nll"]:
+            nll = metric == "nll"
+            for source, group in groups(records, protocol).items():
+                where = {"metric": metric, "protocol": protocol, "source": source, "n": len(group)}
+                full = [r[metric][FULL] for r in group]
+                rows.append({**where, "mode": FULL, "budget": None, **mean_row(full, nll)})
+                for budget in budgets:
+                    values = {m: [r[metric][budget_key(m, budget)] for r in group] for m in MODES}
+                    for mode in MODES:
+                        change = (
+                            [v - f for v, f in zip(values[mode], full, strict=True)] if nll else values[mode]
+                        )
+                        rows.append({**where, "mode": mode, "budget": budget, **mean_row(change, nll)})
+                        if mode != REFERENCE:
+                            difference = [a - b for a, b in zip(values[mode], values[REFERENCE], strict=True)]
+                            paired.append(
+                                {**where, "mode": mode, "against": REFERENCE, "budget": budget,
+                                 **mean_row(difference, True)}
+                            )  # fmt: skip
+    windows = [r for r in records if r["protocol"] == PERPLEXITY]
+    share = {}
+    for budget in config.text_budgets if windows else []:
+        per_window = torch.tensor([r["head_layer_share"][str(budget)] for r in windows])
+        share[str(budget)] = per_window.mean(0).tolist()
+    return {"rows": rows, "paired": paired, "head_layer_share": share}
+
+
+def mean_row(values: list[float], bootstrap: bool) -> dict:
+    interval = bootstrap_interval(values) if bootstrap else wilson_interval(values)
+    return {"mean": sum(values) / len(values), "ci95": list(interval)}
+
+
+def cell(row: dict | None) -> str:
+    """A table cell: accuracy % (CI), the full cache's NLL, or a signed NLL change (CI)."""
+    if row is None:
+        return "-"
+    if row["metric"] == "scores" and "against" not in row:
+        low, high = row["ci95"]
+        return f"{100 * row['mean']:.0f} ({100 * low:.0f}-{100 * high:.0f})"
+    if row["mode"] == FULL:
+        return f"NLL {row['mean']:.3f}"
+    return signed_interval(row["mean"], row["ci95"])
+
+
+def markdown_report(result: dict) -> str:
+    """The tables of ``headroom_<model>.md``."""
+    config = result["config"]
+    rows = {(r["metric"], r["protocol"], r["source"], r["mode"], r["budget"]): r for r in result["rows"]}
+    paired = {(r["metric"], r["protocol"], r["source"], r["mode"], r["budget"]): r for r in result["paired"]}
+    columns = [("nll", PERPLEXITY, b) for b in config["text_budgets"]]
+    for metric in METRICS:
+        columns += [(metric, p, b) for p in config["protocols"] for b in config["needle_budgets"]]
+    present = [(m, p, b) for m, p, b in columns if (m, p, ALL, FULL, None) in rows]
+
+    def label(metric: str, protocol: str, budget) -> str:
+        what = (
+            "text +NLL"
+            if protocol == PERPLEXITY
+            else f"{protocol} " + ("acc %" if metric == "scores" else "answer +NLL")
+        )
+        return f"{what} @{budget:g} (n={rows[metric, protocol, ALL, FULL, None]['n']})"
+
+    def table(columns: list[tuple]) -> str:
+        body = [[mode] + [cell(rows.get((m, p, ALL, mode, b))) for m, p, b in columns] for mode in MODES]
+        body.append([FULL] + [cell(rows.get((m, p, ALL, FULL, None))) for m, p, _ in columns])
+        return markdown_table(["allocation", *[label(*c) for c in columns]], body)
+
+    sources = [s for (m, p, s, mode, b) in rows if p == PERPLEXITY and mode == FULL and s != ALL]
+    per_corpus = [
+        [f"{source} (n={rows['nll', PERPLEXITY, source, FULL, None]['n']}) {mode}"]
+        + [cell(rows.get(("nll", PERPLEXITY, source, mode, b))) for b in config["text_budgets"]]
+        for source in sources
+        for mode in MODES
+    ]
+    every_budget = sorted({*config["text_budgets"], *config["needle_budgets"]})
+    difference = [
+        [f"{p} {s} {'accuracy' if m == 'scores' else 'NLL'} (n={rows[m, p, s, FULL, None]['n']}) {mode}"]
+        + [cell(paired.get((m, p, s, mode, b))) for b in every_budget]
+        for (m, p, s, full, _) in rows
+        if full == FULL
+        for mode in MODES
+        if mode != REFERENCE
+    ]
+    minimum = config["min_per_head"] or (
+        f"its {config['sink_tokens']} sinks and {config['window_tokens']} window tokens + {MIN_EXTRA_PER_HEAD}"
+    )
+    provenance_ = result["provenance"]
+    lines = [
+        f"# Headroom of adaptive budget allocation: {config['model']}",
+        "",
+        f"The oracle at equal total KV entries under three allocations (`kvp_cache.allocation`): "
+        f"`uniform` (every head keeps its own top share: today's oracle row), `layer` (one global "
+        f"sort sets each layer's total, split evenly over its heads) and `head` (one global top-k "
+        f"over every layer, head and token; each head keeps at least {minimum}). Validation data "
+        f"only: held-out documents of the training corpora "
+        f"({', '.join(f'{k}={v}' for k, v in config['windows'].items())} windows of "
+        f"{config['context_tokens']} + {config['continuation_tokens']} tokens) and `val`-split needles "
+        f"({', '.join(config['tasks'])}, {config['samples']} each, about {config['needle_context']} tokens). "
+        f"Text: NLL per continuation token minus the full cache's (bootstrap 95% CI); needles: accuracy "
+        f"% (Wilson 95% CI) and the gold answer's NLL per token minus the full cache's. Budget = share "
+        f"of the prompt's entries kept per head on average.",
+        "",
+        f"Command: `{provenance_['command']}` (commit {provenance_['git_commit']}, "
+        f"{provenance_['threads']} thread(s)); wall time {total_seconds(result['records']) / 60:.1f} min.",
+        "",
+        table([c for c in present if (c[0], c[1]) == ("nll", PERPLEXITY) or c[0] == "scores"]),
+        "",
+        "## Needles: the gold answer's NLL increase (teacher-forced)",
+        "",
+        table([c for c in present if c[0] == "nll" and c[1] != PERPLEXITY]),
+        "",
+        "## Text, per corpus (NLL increase over the full cache)",
+        "",
+        markdown_table(["corpus, allocation", *[f"@{b:g}" for b in config["text_budgets"]]], per_corpus),
+        "",
+        f"## Paired: allocation minus `{REFERENCE}` on the same examples (95% bootstrap CI)",
+        "",
+        "NLL: difference per token (negative: the allocation loses less). Accuracy: difference "
+        "(positive: the allocation answers more).",
+        "",
+        markdown_table(["cell, allocation", *[f"@{b:g}" for b in every_budget]], difference),
+    ]
+    share = result["head_layer_share"]
+    if share:
+        lines += ["", "## Where `head` puts the entries (text): share kept of each evicting layer", ""]
+        body = [[f"{float(b):g}", *[f"{v:.3f}" for v in values]] for b, values in share.items()]
+        lines.append(markdown_table(["budget / layer", *result["evicting_layers"]], body))
+    return "\n".join(lines) + "\n"
+
+
+def total_seconds(records: list[dict]) -> float:
+    return sum(r["seconds"] for r in records)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = HeadroomConfig()
+    parser = argparse.ArgumentParser(prog="python -m eval.headroom", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--model", default=defaults.model, help="'smollm2', 'gemma3-270m' or a model directory"
+    )
+    parser.add_argument("--out", default=defaults.out, help="folder for headroom_<model>.{jsonl,json,md}")
+    parser.add_argument(
+        "--windows",
+        nargs="*",
+        default=[f"{k}={v}" for k, v in defaults.windows.items()],
+        metavar="CORPUS=COUNT",
+        help="held-out text windows per training corpus (train.corpora)",
+    )
+    parser.add_argument("--context-tokens", type=int, default=defaults.context_tokens)
+    parser.add_argument("--continuation-tokens", type=int, default=defaults.continuation_tokens)
+    parser.add_argument("--text-budgets", type=comma_list(parse_budget), default=defaults.text_budgets)
+    parser.add_argument("--tasks", type=comma_list(str), default=defaults.tasks)
+    parser.add_argument("--samples", type=int, default=defaults.samples, help="needle samples per task")
+    parser.add_argument("--needle-context", type=int, default=defaults.needle_context)
+    parser.add_argument("--protocols", type=comma_list(str), default=defaults.protocols)
+    parser.add_argument("--needle-budgets", type=comma_list(parse_budget), default=defaults.needle_budgets)
+    parser.add_argument(
+        "--min-per-head",
+        type=int,
+        default=None,
+        help=f"entries every head keeps at least (default: its protected ones + {MIN_EXTRA_PER_HEAD})",
+    )
+    add_protected_tokens_arguments(parser)
+    parser.add_argument("--val-fraction", type=float, default=defaults.val_fraction)
+    parser.add_argument(
+        "--essays-dir",
+        default=None,
+        help="Paul Graham essays *.txt as needle haystack (default: RULER noise)",
+    )
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    values = {k: v for k, v in vars(args).items() if k in HeadroomConfig.__dataclass_fields__}
+    config = HeadroomConfig(**{**values, "windows": parse_windows(args.windows)})
+    result = run_headroom(config, command=None if argv is None else ["python -m eval.headroom", *argv])
+    print(markdown_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

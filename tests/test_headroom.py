@@ -1,0 +1,93 @@
+"""eval.headroom's masked forward: the model's own with nothing hidden, the reference's per-head
+mask (tests/reference.py) for any per-head counts, and KVPCache's oracle row for the uniform one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+from reference import Snapshot, ids, reference_logits
+
+from eval.headroom import HEADROOM_ATTENTION, future_nll, prompt_mask
+from eval.oracle import OracleScorer, oracle_scorer
+from kvp_cache.allocation import allocate
+from kvp_cache.cache import KVPCache
+from kvp_cache.compat import evicting_layer_indices
+from kvp_cache.integrations import forward_tokens
+from kvp_cache.prefill import prefill
+
+PROMPT, FUTURE = 40, 9
+
+
+def setup(kind: str):
+    model = tiny_model(kind)
+    tokens = ids(length=PROMPT + FUTURE, seed=3)
+    prompt, future = tokens[:, :PROMPT], tokens[:, PROMPT:]
+    return model, tokens, prefill(model, prompt), future
+
+
+def future_logits(model, prefilled, future, kept) -> torch.Tensor:
+    with prompt_mask(model, kept):
+        return forward_tokens(model, copy.deepcopy(prefilled.cache), future).float()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_nothing_hidden_is_the_models_own_forward(kind):
+    model, _, prefilled, future = setup(kind)
+    heads = model.config.num_key_value_heads
+    kept = {i: torch.ones(heads, PROMPT, dtype=torch.bool) for i in evicting_layer_indices(model.config)}
+    plain = forward_tokens(model, copy.deepcopy(prefilled.cache), future).float()
+    torch.testing.assert_close(future_logits(model, prefilled, future, kept), plain, atol=1e-5, rtol=1e-5)
+    assert model.config._attn_implementation != HEADROOM_ATTENTION  # restored
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_uneven_heads_match_the_reference_mask(kind):
+    model, tokens, prefilled, future = setup(kind)
+    generator = torch.Generator().manual_seed(0)
+    scores = {
+        i: torch.rand(model.config.num_key_value_heads, PROMPT, generator=generator) ** (4 * (i % 2) + 1)
+        for i in evicting_layer_indices(model.config)
+    }
+    kept = allocate(scores, 0.3, "head", min_per_head=2, sink_tokens=2, window_tokens=3)
+    counts = torch.stack([mask.sum(-1) for mask in kept.values()])
+    assert counts.min() < counts.max()  # the heads keep different numbers of entries
+    snapshot = {}
+    for layer, mask in kept.items():
+        # The reference takes equal-length position lists: pad a head's with its first kept position.
+        width = int(mask.sum(-1).max())
+        positions = torch.stack(
+            [torch.cat([row.nonzero()[:, 0], row.nonzero()[:1, 0].repeat(width)])[:width] for row in mask]
+        )
+        snapshot[layer] = (positions[None], torch.ones(1, width, dtype=torch.bool))
+    expected = reference_logits(model, tokens, [Snapshot(PROMPT, FUTURE, snapshot)])[:, PROMPT:]
+    masked = future_logits(model, prefilled, future, kept)
+    torch.testing.assert_close(masked, expected, atol=2e-4, rtol=1e-4)
+    plain = forward_tokens(model, copy.deepcopy(prefilled.cache), future).float()
+    assert (masked - plain).abs().max() > 1e-3  # the mask hides something
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_uniform_oracle_is_the_caches_oracle_row(kind):
+    model, _, prefilled, future = setup(kind)
+    importance = oracle_scorer(model, prefilled, future[0].tolist()).importance
+    protected = dict(sink_tokens=2, window_tokens=3)  # 15 of the 20 kept entries chosen by score
+    cache = KVPCache.from_prefill(
+        prefilled, model, method=OracleScorer(importance), budget=0.5, compress="first_prefill", **protected
+    )
+    expected = forward_tokens(model, cache, future).float()
+    kept = allocate(importance, 0.5, "uniform", **protected)
+    torch.testing.assert_close(future_logits(model, prefilled, future, kept), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_future_nll_scores_the_answer_after_the_question():
+    model, tokens, prefilled, future = setup("llama")
+    question, answer = future[0, :4].tolist(), future[0, 4:].tolist()
+    logits = model(tokens).logits[0, PROMPT + 3 : -1].float()  # the positions that predict the answer
+    expected = F.cross_entropy(logits, future[0, 4:]).item()
+    assert abs(future_nll(model, prefilled, question, answer) - expected) < 1e-4
+    whole = F.cross_entropy(model(tokens).logits[0, PROMPT - 1 : -1].float(), future[0]).item()
+    assert abs(future_nll(model, prefilled, [], future[0].tolist()) - whole) < 1e-4
