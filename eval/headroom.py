@@ -25,8 +25,15 @@ Validation data only, never the benchmark's held-out corpora (:mod:`eval.corpora
   gold answer's NLL per token minus the full cache's, which still tells allocations apart when
   they all find the needle.
 
-Records go to ``<out>/headroom_<model>.jsonl`` as they finish (a rerun reuses those made with the
-same settings and tokens); the summary to ``headroom_<model>.{json,md}``, with provenance.
+``--scores`` picks what drives the allocations (:data:`SCORE_KINDS`, :func:`entry_scores`): the
+oracle (default), or the learned policy's or SnapKV's scores on the same prefill, to see whether
+the oracle's gain from a global ranking carries over to scores a cache can compute. ``kvp``
+softmaxes the policy's scores over each head's prompt (its ListNet training makes that each
+entry's estimated share of its head's importance); ``kvp_raw`` leaves them raw.
+
+Records go to ``<out>/headroom_<model>[_<scores>].jsonl`` as they finish (a rerun reuses those
+made with the same settings and tokens); the summary to ``headroom_<model>[_<scores>].{json,md}``,
+with provenance (the oracle's files carry no suffix).
 """
 
 from __future__ import annotations
@@ -58,12 +65,15 @@ from eval.sweep import FULL, MAX_NEW_TOKENS
 from kvp_cache import ruler
 from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, allocate
 from kvp_cache.budget import Budget, parse_budget
+from kvp_cache.capture import append_queries
 from kvp_cache.cli import add_protected_tokens_arguments
 from kvp_cache.compat import evicting_layer_indices
 from kvp_cache.integrations import forward_tokens
 from kvp_cache.models import load_model
-from kvp_cache.prefill import prefill
+from kvp_cache.policy import load_policy
+from kvp_cache.prefill import Prefill, prefill
 from kvp_cache.provenance import portable_config, provenance
+from kvp_cache.scorers import Scorer, make_scorer
 from kvp_cache.tables import markdown_table
 from train.collect import CHARS_PER_TOKEN_READ, greedy_continue, parse_windows, uses_chat
 from train.corpora import documents
@@ -75,6 +85,17 @@ PROTOCOLS = ("question_in", "question_after")
 ALL = "all"
 REFERENCE = "uniform"
 """The allocation every other one is compared with, example by example."""
+ORACLE = "oracle"
+SCORE_KINDS = {
+    ORACLE: "the oracle (the gold future's attention mass to each entry)",
+    "kvp": "the learned policy's scores, softmaxed over each head's prompt tokens (each entry's "
+    "estimated share of its head's future importance, what ListNet trains)",
+    "kvp_raw": "the learned policy's raw scores (no normalization across heads)",
+    "snapkv": "SnapKV's scores (the last prompt queries' pooled attention: softmax mass per head)",
+}
+"""What drives the allocation (``--scores``): every kind is computed on the same prefill."""
+SCORER_OF = {"kvp": "kvp", "kvp_raw": "kvp", "snapkv": "snapkv"}
+"""The registered method behind each non-oracle score kind."""
 
 
 @dataclass
@@ -102,8 +123,12 @@ class HeadroomConfig:
     val_fraction: float = 0.12
     essays_dir: str | None = None
     seed: int = 0
+    scores: str = ORACLE
+    policy: str = "smollm2-135m-instruct"
 
     def __post_init__(self) -> None:
+        if self.scores not in SCORE_KINDS:
+            raise ValueError(f"scores must be one of {sorted(SCORE_KINDS)}, got {self.scores!r}")
         unknown = sorted(set(self.protocols) - set(PROTOCOLS))
         if unknown:
             raise ValueError(f"protocols must be among {PROTOCOLS}, got {unknown}")
@@ -125,7 +150,16 @@ class HeadroomConfig:
             "min_extra": MIN_EXTRA_PER_HEAD,
             "essays_dir": Path(self.essays_dir).name if self.essays_dir else None,
         }
+        if self.scores != ORACLE:  # added only here, so the oracle's existing records stay valid
+            learned = SCORER_OF[self.scores] == "kvp"
+            keys.update(
+                scores=self.scores, policy=load_policy(self.policy).weights_sha256 if learned else None
+            )
         return digest(keys)
+
+    def stem(self) -> str:
+        """The results' file name without suffix: ``headroom_<model>[_<scores>]``."""
+        return f"headroom_{self.model}" + ("" if self.scores == ORACLE else f"_{self.scores}")
 
 
 def budget_key(mode: str, budget: Budget) -> str:
@@ -237,15 +271,53 @@ def tokens_digest(example: Example) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
+# -- the scores --------------------------------------------------------------------------------
+
+
+def score_source(config: HeadroomConfig) -> Scorer | None:
+    """The scorer behind ``config.scores`` (None for the oracle, which is built per example)."""
+    if config.scores == ORACLE:
+        return None
+    method = SCORER_OF[config.scores]
+    return make_scorer(method, policy=config.policy) if method == "kvp" else make_scorer(method)
+
+
+@torch.no_grad()
+def entry_scores(
+    kind: str, scorer: Scorer | None, model, prefilled: Prefill, future_ids: list[int]
+) -> dict[int, torch.Tensor]:
+    """``{layer: float32 [kv_heads, prompt_tokens]}`` of every evicting layer for score ``kind``
+    (:data:`SCORE_KINDS`) of one prefilled prompt (batch 1); ``scorer`` from :func:`score_source`.
+
+    A scorer sees what ``KVPCache.from_prefill`` gives it: the prompt's keys and values, positions
+    ``0..tokens-1`` and, if it needs them, the last ``query_window`` prompt queries."""
+    if kind == ORACLE:
+        return oracle_scorer(model, prefilled, future_ids).importance
+    positions = torch.arange(prefilled.input_ids.shape[1], device=prefilled.input_ids.device)[None]
+    scores = {}
+    for layer in evicting_layer_indices(model.config):
+        states = prefilled.cache.layers[layer]
+        queries = (
+            append_queries(None, prefilled.queries[layer], scorer.query_window)
+            if scorer.needs_queries
+            else None
+        )
+        raw = scorer.score(states.keys, states.values, positions, queries, layer)[0].float()
+        scores[layer] = raw.softmax(-1) if kind == "kvp" else raw
+    return scores
+
+
 # -- one example -------------------------------------------------------------------------------
 
 
 @torch.no_grad()
-def measure(model, tokenizer, example: Example, config: HeadroomConfig) -> dict:
-    """One example's record: the full cache's and every (allocation, budget)'s NLL or answer."""
+def measure(model, tokenizer, example: Example, config: HeadroomConfig, scorer: Scorer | None = None) -> dict:
+    """One example's record: the full cache's and every (allocation, budget)'s NLL or answer, the
+    allocations driven by ``config.scores`` (``scorer`` from :func:`score_source`)."""
     device = next(model.parameters()).device
     prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
-    importance = oracle_scorer(model, prefilled, example.question_ids + example.future_ids).importance
+    future = example.question_ids + example.future_ids
+    importance = entry_scores(config.scores, scorer, model, prefilled, future)
     text = example.sample is None
     budgets = config.text_budgets if text else config.needle_budgets
 
@@ -344,7 +416,8 @@ def run_headroom(
         model, tokenizer = load_model(config.model)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"headroom_{config.model}"
+    stem = out / config.stem()
+    scorer = score_source(config)
     log = stem.with_suffix(".jsonl")
     fingerprint = config.fingerprint()
     done = read_records(log, fingerprint)
@@ -359,7 +432,7 @@ def run_headroom(
             records.append(old)
             continue
         start, cpu = time.perf_counter(), time.process_time()
-        record = measure(model, tokenizer, example, config)
+        record = measure(model, tokenizer, example, config, scorer)
         record.update(
             seconds=round(time.perf_counter() - start, 2),
             cpu_seconds=round(time.process_time() - cpu, 2),
@@ -370,8 +443,10 @@ def run_headroom(
             # After an interrupted write, start on a new line so the torn one stays alone.
             handle.write(("\n" if torn else "") + json.dumps(record) + "\n")
         records.append(record)
+    policy = scorer.policy if config.scores != ORACLE and SCORER_OF[config.scores] == "kvp" else None
+    dtype = str(next(model.parameters()).dtype)
     result = {
-        "provenance": provenance(config.model, str(next(model.parameters()).dtype), "cpu", command=command),
+        "provenance": provenance(config.model, dtype, "cpu", policy=policy, command=command),
         "config": portable_config(config),
         "modes": list(MODES),
         "reference": REFERENCE,
@@ -453,6 +528,7 @@ def cell(row: dict | None) -> str:
 def markdown_report(result: dict) -> str:
     """The tables of ``headroom_<model>.md``."""
     config = result["config"]
+    kind = config.get("scores", ORACLE)  # summaries written before --scores existed are the oracle's
     rows = {(r["metric"], r["protocol"], r["source"], r["mode"], r["budget"]): r for r in result["rows"]}
     paired = {(r["metric"], r["protocol"], r["source"], r["mode"], r["budget"]): r for r in result["paired"]}
     columns = [("nll", PERPLEXITY, b) for b in config["text_budgets"]]
@@ -494,10 +570,11 @@ def markdown_report(result: dict) -> str:
     )
     provenance_ = result["provenance"]
     lines = [
-        f"# Headroom of adaptive budget allocation: {config['model']}",
+        f"# Headroom of adaptive budget allocation: {config['model']}, scores `{kind}`",
         "",
-        f"The oracle at equal total KV entries under three allocations (`kvp_cache.allocation`): "
-        f"`uniform` (every head keeps its own top share: today's oracle row), `layer` (one global "
+        f"Scores: {SCORE_KINDS[kind]}, at equal total KV entries under three allocations "
+        f"(`kvp_cache.allocation`): "
+        f"`uniform` (every head keeps its own top share: today's cache), `layer` (one global "
         f"sort sets each layer's total, split evenly over its heads) and `head` (one global top-k "
         f"over every layer, head and token; each head keeps at least {minimum}). Validation data "
         f"only: held-out documents of the training corpora "
@@ -513,10 +590,11 @@ def markdown_report(result: dict) -> str:
         "",
         table([c for c in present if (c[0], c[1]) == ("nll", PERPLEXITY) or c[0] == "scores"]),
         "",
-        "## Needles: the gold answer's NLL increase (teacher-forced)",
-        "",
-        table([c for c in present if c[0] == "nll" and c[1] != PERPLEXITY]),
-        "",
+    ]
+    needles = [c for c in present if c[0] == "nll" and c[1] != PERPLEXITY]
+    if needles:
+        lines += ["## Needles: the gold answer's NLL increase (teacher-forced)", "", table(needles), ""]
+    lines += [
         "## Text, per corpus (NLL increase over the full cache)",
         "",
         markdown_table(["corpus, allocation", *[f"@{b:g}" for b in config["text_budgets"]]], per_corpus),
@@ -576,6 +654,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="Paul Graham essays *.txt as needle haystack (default: RULER noise)",
     )
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument(
+        "--scores",
+        choices=list(SCORE_KINDS),
+        default=defaults.scores,
+        help="what drives the allocation; results go to headroom_<model>_<scores>.* unless oracle",
+    )
+    parser.add_argument(
+        "--policy", default=defaults.policy, help="the learned policy of kvp and kvp_raw (name or directory)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser
 

@@ -1,5 +1,6 @@
 """eval.headroom's masked forward: the model's own with nothing hidden, the reference's per-head
-mask (tests/reference.py) for any per-head counts, and KVPCache's oracle row for the uniform one."""
+mask (tests/reference.py) for any per-head counts, and KVPCache's oracle row for the uniform one;
+the other score kinds: their shapes, and KVPCache's kvp and snapkv rows for the uniform allocation."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 from reference import Snapshot, ids, reference_logits
+from test_policy import tiny_policy
 
-from eval.headroom import HEADROOM_ATTENTION, future_nll, prompt_mask
+from eval.headroom import HEADROOM_ATTENTION, SCORE_KINDS, entry_scores, future_nll, prompt_mask
 from eval.oracle import OracleScorer, oracle_scorer
 from kvp_cache.allocation import allocate
 from kvp_cache.cache import KVPCache
 from kvp_cache.compat import evicting_layer_indices
 from kvp_cache.integrations import forward_tokens
 from kvp_cache.prefill import prefill
+from kvp_cache.scorers import make_scorer
 
 PROMPT, FUTURE = 40, 9
 
@@ -80,6 +83,48 @@ def test_uniform_oracle_is_the_caches_oracle_row(kind):
     )
     expected = forward_tokens(model, cache, future).float()
     kept = allocate(importance, 0.5, "uniform", **protected)
+    torch.testing.assert_close(future_logits(model, prefilled, future, kept), expected, atol=2e-4, rtol=1e-4)
+
+
+def scorer_of(kind: str, model):
+    """A small scorer per kind: a random tiny policy, SnapKV with a window shorter than the prompt."""
+    if kind == "oracle":
+        return None
+    return (
+        make_scorer("snapkv", window_size=8)
+        if kind == "snapkv"
+        else make_scorer("kvp", policy=tiny_policy(model))
+    )
+
+
+def test_every_score_kind_scores_every_evicting_head():
+    model, _, prefilled, future = setup("gemma3")
+    heads = model.config.num_key_value_heads
+    scores = {
+        kind: entry_scores(kind, scorer_of(kind, model), model, prefilled, future[0].tolist())
+        for kind in SCORE_KINDS
+    }
+    for kind, by_layer in scores.items():
+        assert list(by_layer) == evicting_layer_indices(model.config), kind
+        assert all(s.shape == (heads, PROMPT) and s.dtype == torch.float32 for s in by_layer.values()), kind
+    policy = scorer_of("kvp", model)  # the same seed: the same policy as above
+    raw = entry_scores("kvp_raw", policy, model, prefilled, [])
+    for layer, shares in entry_scores("kvp", policy, model, prefilled, []).items():
+        torch.testing.assert_close(shares, raw[layer].softmax(-1))
+        assert raw[layer].std() > 0
+
+
+@pytest.mark.parametrize("kind", ["kvp", "snapkv"])
+@pytest.mark.parametrize("model_kind", ["llama", "gemma3"])
+def test_uniform_allocation_is_the_caches_row(kind, model_kind):
+    model, _, prefilled, future = setup(model_kind)
+    scorer = scorer_of(kind, model)
+    protected = dict(sink_tokens=2, window_tokens=3)
+    cache = KVPCache.from_prefill(
+        prefilled, model, method=scorer, budget=0.3, compress="first_prefill", **protected
+    )
+    expected = forward_tokens(model, cache, future).float()
+    kept = allocate(entry_scores(kind, scorer, model, prefilled, []), 0.3, "uniform", **protected)
     torch.testing.assert_close(future_logits(model, prefilled, future, kept), expected, atol=2e-4, rtol=1e-4)
 
 
