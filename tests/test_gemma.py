@@ -91,9 +91,7 @@ def logits_to_keep(model, count: int):
 
 def needle_prefill(gemma, prose_dir, tokens: int) -> tuple[Prefill, Sample]:
     model, tokenizer = gemma
-    needle = make_samples("niah_single", tokenizer, tokens, n=1, seed=3, haystack=load_haystack(prose_dir))[
-        0
-    ]
+    needle = make_samples("niah_single", tokenizer, tokens, n=1, seed=3, haystack=load_haystack(prose_dir))[0]
     text, _ = prompt_for(needle, tokenizer, chat=GEMMA.chat)
     input_ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     assert input_ids[0, 0] == tokenizer.bos_token_id and int((input_ids == tokenizer.bos_token_id).sum()) == 1
