@@ -51,7 +51,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -59,6 +58,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from eval.__main__ import comma_list
 from eval.benchmark import TEMPLATE_TOKENS, digest
 from eval.oracle import oracle_scorer
+from eval.realtext import continuation_nll
 from eval.report import signed_interval
 from eval.stats import bootstrap_interval, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS
@@ -68,7 +68,6 @@ from kvp_cache.budget import Budget, parse_budget
 from kvp_cache.capture import append_queries
 from kvp_cache.cli import add_protected_tokens_arguments
 from kvp_cache.compat import evicting_layer_indices
-from kvp_cache.integrations import forward_tokens
 from kvp_cache.models import load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import Prefill, prefill
@@ -370,17 +369,10 @@ def measure(model, tokenizer, example: Example, config: HeadroomConfig, scorer: 
 
 def future_nll(model, prefilled, question_ids: list[int], answer_ids: list[int]) -> float:
     """Mean NLL per token of ``answer_ids`` teacher-forced after the prefilled prompt and
-    ``question_ids``, on a copy of the prefill's cache (for text, with no question, the benchmark's
-    :func:`eval.realtext.continuation_nll`): the first token from the prefill's logits, the rest
-    from one forward."""
-    device = prefilled.input_ids.device
-    sequence = torch.tensor([question_ids + answer_ids], device=device)
-    logits = prefilled.next_token_logits[:, None]
-    if sequence.shape[1] > 1:
-        rest = forward_tokens(model, copy.deepcopy(prefilled.cache), sequence[:, :-1]).float()
-        logits = torch.cat([logits, rest], dim=1)
-    answer = len(answer_ids)
-    return F.cross_entropy(logits[0, -answer:], sequence[0, -answer:]).item()
+    ``question_ids``, on a copy of the prefill's cache."""
+    sequence = torch.tensor([question_ids + answer_ids], device=prefilled.input_ids.device)
+    cache = copy.deepcopy(prefilled.cache)
+    return continuation_nll(model, prefilled, cache, sequence, scored=len(answer_ids)).item()
 
 
 # -- the run and its summary -------------------------------------------------------------------

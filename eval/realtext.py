@@ -66,17 +66,22 @@ def windows(stream: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
 
 
 @torch.no_grad()
-def continuation_nll(model, prefilled: Prefill, cache, continuation: torch.Tensor) -> torch.Tensor:
+def continuation_nll(
+    model, prefilled: Prefill, cache, continuation: torch.Tensor, scored: int | None = None
+) -> torch.Tensor:
     """Mean NLL per token ``[rows]`` of ``continuation`` (``[1, c]``) after the prefilled prefix.
 
     ``cache`` holds the prefix for ``rows`` rows (a stack of compressed caches, or an uncompressed
-    copy of ``prefilled.cache``); it is consumed.
+    copy of ``prefilled.cache``); it is consumed. ``scored``: only the last ``scored`` tokens count
+    (the earlier ones, a question say, are read but not scored); default all.
     """
     rows = cache.layers[0].keys.shape[0]
     target = continuation.expand(rows, -1)
-    first = F.cross_entropy(prefilled.next_token_logits.expand(rows, -1), target[:, 0], reduction="none")
-    if target.shape[1] == 1:
-        return first
-    logits = forward_tokens(model, cache, target[:, :-1]).float()
-    rest = F.cross_entropy(logits.transpose(1, 2), target[:, 1:], reduction="none")
-    return (first + rest.sum(-1)) / target.shape[1]
+    losses = F.cross_entropy(prefilled.next_token_logits.expand(rows, -1), target[:, 0], reduction="none")[
+        :, None
+    ]
+    if target.shape[1] > 1:
+        logits = forward_tokens(model, cache, target[:, :-1]).float()
+        rest = F.cross_entropy(logits.transpose(1, 2), target[:, 1:], reduction="none")
+        losses = torch.cat([losses, rest], dim=1)
+    return losses[:, -(scored or target.shape[1]) :].mean(-1)
