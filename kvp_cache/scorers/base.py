@@ -47,7 +47,10 @@ class Scorer:
     - ``per_token``: a token's score depends on its own key, value and position only, so the
       cache scores each token once, when it enters, and keeps the score (decoding never rescores);
     - ``scores_decoded_tokens``: the method can rank a cache that holds decoded tokens and
-      earlier evictions' survivors, so it works with ``max_cache_tokens``.
+      earlier evictions' survivors, so it works with ``max_cache_tokens``;
+    - ``comparable_across_heads``: :meth:`cross_head_scores` turns the method's scores into values
+      one sort can rank across every head and layer of a model, so it can drive an adaptive
+      allocation (``KVPCache(..., allocation="layer" | "head")``).
     """
 
     name: ClassVar[str] = ""
@@ -56,6 +59,7 @@ class Scorer:
     learned: ClassVar[bool] = False
     per_token: ClassVar[bool] = False
     scores_decoded_tokens: ClassVar[bool] = True
+    comparable_across_heads: ClassVar[bool] = False
 
     def score(
         self,
@@ -73,6 +77,21 @@ class Scorer:
         Returns ``[batch, kv_heads, seq]``; the cache keeps the top entries per head.
         """
         raise NotImplementedError
+
+    def cross_head_scores(
+        self, scores: torch.Tensor, valid: torch.Tensor, layer_idx: int = 0
+    ) -> torch.Tensor:
+        """Scores that rank entries across heads and layers: each entry's estimated share of the
+        future attention mass of the model, so one top-k over all of them allocates a budget.
+
+        scores: ``[batch, kv_heads, seq]`` as :meth:`score` returned them (or as stored for
+        ``per_token`` methods); valid: ``[batch, kv_heads, seq]`` bool, False on padding and on
+        empty slots. Returns ``[batch, kv_heads, seq]`` float32, ``-inf`` where not valid.
+        """
+        raise ValueError(
+            f"method {self.name or type(self).__name__!r} has no scores comparable across heads, so it "
+            "supports allocation='uniform' only"
+        )
 
     def check_model(self, config) -> None:
         """Raise ``ValueError`` if this scorer cannot serve a model with ``config`` (a decoder config)."""
