@@ -19,6 +19,10 @@ for an int. So a fraction's share is rounded up to a whole entry per head, ident
 mode, and the modes compare at exactly equal totals. Each head keeps its protected entries (the
 first ``sink_tokens`` and last ``window_tokens`` tokens, clipped to ``k`` as the cache clips them)
 and at least ``min_per_head`` entries; its kept set is always its top entries by score.
+
+:func:`head_counts` is the batched core, over padded ``[batch, kv_heads, entries]`` scores whose
+heads may hold different entries (a cache that already allocated adaptively): ``KVPCache`` calls
+it at every eviction with ``allocation="layer" | "head"``; :func:`allocate` is the one-prompt form.
 """
 
 from __future__ import annotations
@@ -27,13 +31,20 @@ import math
 
 import torch
 
-from kvp_cache.budget import Budget, kept_per_row, protect_sinks_and_window, validate_budget, validate_count
+from kvp_cache.budget import Budget, kept_per_row, protected_entries, validate_budget, validate_count
 
 MODES = ("uniform", "layer", "head")
 MIN_EXTRA_PER_HEAD = 8
 """The default minimum per head is the protected entries plus this many (capped at the per-head
 budget): small enough to leave nearly all of the budget to the global ranking, yet no head is
 reduced to its sinks and window alone."""
+
+
+def validate_mode(mode: object, name: str = "mode") -> str:
+    """``mode`` if it is one of :data:`MODES`, else a ``ValueError`` naming ``name`` and the modes."""
+    if mode not in MODES:
+        raise ValueError(f"{name} must be one of {MODES}, got {mode!r}")
+    return mode
 
 
 def allocate(
@@ -55,32 +66,95 @@ def allocate(
         included, from 1 up to the per-head budget; None: the protected entries plus
         :data:`MIN_EXTRA_PER_HEAD`, capped at the per-head budget.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    validate_mode(mode)
     budget = validate_budget(budget)
     sinks = validate_count("sink_tokens", sink_tokens, 0)
     window = validate_count("window_tokens", window_tokens, 0)
+    if min_per_head is not None:
+        validate_count("min_per_head", min_per_head, 1)
     tokens = _check_scores(scores)
-    per_head = int(kept_per_row(budget, torch.tensor([tokens]))[0])
-    ranked = {layer: _ranks(s, per_head, sinks, window) for layer, s in scores.items()}
-    protected = int(_protected(tokens, per_head, sinks, window).sum())
-    if min_per_head is None:
-        minimum = min(per_head, protected + MIN_EXTRA_PER_HEAD)
-    else:
-        minimum = validate_count("min_per_head", min_per_head, 1)
-        if minimum > per_head:
-            raise ValueError(
-                f"min_per_head ({minimum}) exceeds the per-head budget ({per_head} of {tokens} tokens "
-                f"at budget {budget}); lower it or raise the budget"
-            )
-        minimum = max(minimum, protected)
+    per_head = kept_per_row(budget, torch.tensor([tokens]))
+    positions = torch.arange(tokens).expand(1, 1, tokens)
+    valid = torch.ones(1, 1, tokens, dtype=torch.bool)
+    layers = list(scores)
+    padded = [scores[layer].float()[None] for layer in layers]
+    protected = [
+        protected_entries(positions, valid.sum(-1), per_head, sinks, window).expand_as(s) for s in padded
+    ]
+    ranks = [entry_ranks(s, valid.expand_as(s), p) for s, p in zip(padded, protected, strict=True)]
+    counts = head_counts(padded, ranks, [p.sum(-1) for p in protected], per_head, mode, min_per_head)
+    return {layer: (r < c[..., None])[0] for layer, r, c in zip(layers, ranks, counts, strict=True)}
+
+
+def entry_ranks(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+    """Each entry's rank within its head, ``[batch, kv_heads, entries]`` long (0 = kept first):
+    protected entries first, then valid ones by score, then invalid ones; a head keeping ``c``
+    entries keeps those of rank ``< c``. All three arguments are ``[batch, kv_heads, entries]``."""
+    tier = protected.long() * 2 + valid.long()  # 3 protected, 1 valid, 0 invalid
+    by_score = scores.float().nan_to_num(nan=-math.inf).argsort(dim=-1, descending=True, stable=True)
+    order = by_score.gather(-1, tier.gather(-1, by_score).argsort(dim=-1, descending=True, stable=True))
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks
+
+
+def head_counts(
+    scores: list[torch.Tensor],
+    ranks: list[torch.Tensor],
+    protected: list[torch.Tensor],
+    per_head: torch.Tensor,
+    mode: str,
+    min_per_head: int | None = None,
+    available: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Entries each head keeps, one ``[batch, kv_heads]`` long tensor per layer.
+
+    scores: per layer ``[batch, kv_heads, entries]``, comparable across heads and layers;
+    ranks: per layer, :func:`entry_ranks` of them; protected: per layer ``[batch, kv_heads]``, the
+    protected entries of each head; per_head: ``[batch]``, what every head keeps under a uniform
+    budget, so each row keeps ``per_head * heads`` in all (or everything it has, if less);
+    available: per layer ``[batch, kv_heads]`` valid entries (None: every entry is valid).
+    """
+    if available is None:
+        available = [torch.full(s.shape[:2], s.shape[-1], device=s.device) for s in scores]
+    per_head = per_head.to(scores[0].device)
     if mode == "uniform":
-        counts = {layer: torch.full((s.shape[0],), per_head) for layer, s in scores.items()}
+        return [torch.minimum(per_head[:, None], a) for a in available]
+    if min_per_head is None:
+        floors = [torch.minimum(p + MIN_EXTRA_PER_HEAD, per_head[:, None]) for p in protected]
     else:
-        counts = _global_counts(scores, ranked, per_head, minimum)
-        if mode == "layer":
-            counts = {layer: _even_split(scores[layer], ranked[layer], c) for layer, c in counts.items()}
-    return {layer: ranked[layer] < counts[layer][:, None] for layer in scores}
+        if bool((per_head < min_per_head).any()):
+            raise ValueError(
+                f"min_per_head ({min_per_head}) exceeds the per-head budget ({int(per_head.min())} entries "
+                "at this budget and prompt length); lower min_per_head or raise the budget"
+            )
+        floors = [torch.clamp(p, min=min_per_head) for p in protected]
+    floors = [torch.minimum(f, a) for f, a in zip(floors, available, strict=True)]
+    heads = sum(s.shape[1] for s in scores)
+    total = torch.minimum(per_head * heads, sum(a.sum(-1) for a in available))
+    need = total - sum(f.sum(-1) for f in floors)  # [batch]
+    candidates = torch.cat(
+        [
+            # Candidates stay finite and above every non-candidate, even where a score is -inf.
+            s.float()
+            .clamp(min=torch.finfo(torch.float32).min)
+            .masked_fill((r < f[..., None]) | (r >= a[..., None]), -math.inf)
+            .flatten(1)
+            for s, r, f, a in zip(scores, ranks, floors, available, strict=True)
+        ],
+        dim=1,
+    )
+    order = candidates.argsort(dim=-1, descending=True, stable=True)
+    chosen = torch.zeros_like(candidates, dtype=torch.bool)
+    chosen.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device) < need[:, None])
+    counts, start = [], 0
+    for s, f in zip(scores, floors, strict=True):
+        size = s.shape[1] * s.shape[2]
+        counts.append(f + chosen[:, start : start + size].view_as(s).sum(-1))
+        start += size
+    if mode == "layer":
+        counts = [_even_split(s, r, c) for s, r, c in zip(scores, ranks, counts, strict=True)]
+    return counts
 
 
 def _check_scores(scores: dict[int, torch.Tensor]) -> int:
@@ -98,54 +172,16 @@ def _check_scores(scores: dict[int, torch.Tensor]) -> int:
     return next(iter(shapes.values()))[1]
 
 
-def _protected(tokens: int, per_head: int, sinks: int, window: int) -> torch.Tensor:
-    """``[tokens]`` bool: the sinks and window a head of ``per_head`` entries keeps (the cache's rule)."""
-    zero = torch.zeros(1, 1, tokens)
-    positions = torch.arange(tokens)[None]
-    count = torch.tensor([per_head])
-    return protect_sinks_and_window(zero, positions, torch.tensor([tokens]), count, sinks, window)[0, 0] > 0
-
-
-def _ranks(scores: torch.Tensor, per_head: int, sinks: int, window: int) -> torch.Tensor:
-    """``[kv_heads, tokens]`` long: each entry's rank within its head (0 = kept first), protected
-    entries first; a head keeping ``c`` entries keeps those of rank ``< c``."""
-    tokens = scores.shape[1]
-    protected = _protected(tokens, per_head, sinks, window)
-    boosted = scores.float().masked_fill(protected, math.inf)
-    order = boosted.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(tokens).expand_as(order))
-    return ranks
-
-
-def _global_counts(
-    scores: dict[int, torch.Tensor], ranked: dict[int, torch.Tensor], per_head: int, minimum: int
-) -> dict[int, torch.Tensor]:
-    """Entries per head, ``{layer: [kv_heads]}``: ``minimum`` each, then one top-k over every other
-    entry of every head and layer for the rest of the ``per_head * heads`` total."""
-    layers = list(scores)
-    candidates = torch.cat(
-        [scores[layer].float().masked_fill(ranked[layer] < minimum, -math.inf).flatten() for layer in layers]
-    )
-    heads = sum(scores[layer].shape[0] for layer in layers)
-    chosen = torch.zeros_like(candidates, dtype=torch.bool)
-    chosen[candidates.topk((per_head - minimum) * heads).indices] = True
-    counts, start = {}, 0
-    for layer in layers:
-        size = scores[layer].numel()
-        counts[layer] = minimum + chosen[start : start + size].view_as(scores[layer]).sum(-1)
-        start += size
-    return counts
-
-
 def _even_split(scores: torch.Tensor, ranks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``counts`` ``[kv_heads]``'s total split evenly over the heads; the remainder goes one entry
-    each to the heads whose best entry beyond the even share scores highest."""
-    heads, tokens = scores.shape
-    share, remainder = divmod(int(counts.sum()), heads)
-    even = torch.full((heads,), share)
-    if remainder:
-        # share < tokens here: a remainder means the layer does not keep every entry of every head.
-        next_best = scores.float().masked_fill(ranks != share, -math.inf).amax(-1)
-        even[next_best.topk(remainder).indices] += 1
-    return even
+    """``counts`` ``[batch, kv_heads]``'s row totals split evenly over the heads; the remainder goes
+    one entry each to the heads whose best entry beyond the even share scores highest."""
+    heads = scores.shape[1]
+    total = counts.sum(-1)
+    share, remainder = total // heads, total % heads
+    # A remainder means the layer does not keep every entry of every head, so rank ``share`` exists.
+    next_best = scores.float().masked_fill(ranks != share[:, None, None], -math.inf).amax(-1)
+    order = next_best.argsort(dim=-1, descending=True, stable=True)
+    extra = torch.zeros_like(counts).scatter_(
+        -1, order, (torch.arange(heads, device=counts.device) < remainder[:, None]).long()
+    )
+    return share[:, None] + extra

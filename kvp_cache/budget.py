@@ -97,6 +97,24 @@ def kept_per_row(budget: Budget, real_lengths: torch.Tensor) -> torch.Tensor:
     return torch.minimum(kept, real_lengths).clamp_min(1)
 
 
+def protected_entries(
+    positions: torch.Tensor, real_lengths: torch.Tensor, kept: torch.Tensor, sinks: int, window: int
+) -> torch.Tensor:
+    """Which entries are the first ``sinks`` and last ``window`` real tokens: bool, ``positions``' shape.
+
+    positions: ``[batch, seq]`` or ``[batch, kv_heads, seq]`` real-token index (-1 on pads);
+    real_lengths: ``[batch]`` or ``[batch, kv_heads]``, matching; kept: ``[batch]`` entries kept per head.
+    When a row keeps fewer entries than ``sinks + window`` the window wins first, then the sinks,
+    so the protected set never exceeds the kept count and the result stays deterministic.
+    """
+    extra = (None,) * (positions.dim() - 1)
+    window_row = torch.clamp(kept, max=window)
+    sinks_row = torch.clamp(kept - window_row, max=sinks)
+    is_sink = (positions >= 0) & (positions < sinks_row[(...,) + extra])
+    start = real_lengths - window_row.view(-1, *([1] * (real_lengths.dim() - 1)))
+    return is_sink | (positions >= start[..., None])
+
+
 def protect_sinks_and_window(
     scores: torch.Tensor,
     positions: torch.Tensor,
@@ -107,13 +125,8 @@ def protect_sinks_and_window(
 ) -> torch.Tensor:
     """Force the first ``sinks`` and last ``window`` real tokens of every row into the kept set.
 
-    scores: ``[batch, kv_heads, seq]``; positions: ``[batch, seq]`` real-token index (-1 on pads).
-    When a row keeps fewer entries than ``sinks + window`` the window wins first, then the sinks,
-    so the protected set never exceeds the kept count and the result stays deterministic.
+    scores: ``[batch, kv_heads, seq]``; positions: ``[batch, seq]`` real-token index (-1 on pads);
+    see :func:`protected_entries`.
     """
-    window_row = torch.clamp(kept, max=window)
-    sinks_row = torch.clamp(kept - window_row, max=sinks)
-    is_sink = (positions >= 0) & (positions < sinks_row[:, None])
-    is_window = positions >= (real_lengths - window_row)[:, None]
-    protected = (is_sink | is_window)[:, None, :]
+    protected = protected_entries(positions, real_lengths, kept, sinks, window)[:, None, :]
     return scores.masked_fill(protected, torch.finfo(scores.dtype).max)
