@@ -44,7 +44,6 @@ from kvp_cache.budget import Budget, validate_budget
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
 from kvp_cache.scorers import Scorer, make_scorer, methods
-from train.data import gold_answer_ids
 
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
@@ -401,7 +400,7 @@ class Benchmark:
             predictions = self.answers(
                 prefilled,
                 rows,
-                ids(prompt.suffix) + gold_answer_ids(sample, self.tokenizer),
+                ids(prompt.suffix) + ruler.gold_answer_ids(sample, self.tokenizer),
                 full=lambda: self.decoder.full_answer(prefilled, prompt, tokens),
                 batch=lambda scorers, budget: self.decoder.budget_answers(
                     prefilled, prompt, scorers, budget, tokens

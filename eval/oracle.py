@@ -1,9 +1,9 @@
 """The oracle row: each head keeps the entries the gold continuation itself attends to most.
 
-It uses training's one importance definition (``train.targets.future_attention``: the future
-queries' causal softmax attention, maxed over each GQA group and summed over the queries) over the
-compressed prompt, then the question asked after it (if any), then the gold answer
-(``train.data.gold_answer_ids``) or the text's true continuation. It is the ceiling of a key/value-only ranking
+It uses the one importance definition training ranks against too (:func:`kvp_cache.targets.future_attention`:
+the future queries' causal softmax attention, maxed over each GQA group and summed over the queries)
+over the compressed prompt, then the question asked after it (if any), then the gold answer
+(:func:`kvp_cache.ruler.gold_answer_ids`) or the text's true continuation. It is the ceiling of a key/value-only ranking
 trained on that target, an evaluation tool and not a method users select: it is not registered,
 and caches get it as ``KVPCache(model, method=OracleScorer(...))``.
 """
@@ -16,12 +16,10 @@ from typing import ClassVar
 
 import torch
 
-from kvp_cache.capture import queries_of
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.prefill import Prefill
 from kvp_cache.scorers import Scorer
-from train.collect import InputCapture, attention_modules
-from train.targets import future_attention
+from kvp_cache.targets import attention_modules, captured_queries, future_attention
 
 ORACLE = "oracle"
 """The method name of the oracle in benchmark rows."""
@@ -62,12 +60,11 @@ def oracle_scorer(model, prefilled: Prefill, future_ids: list[int]) -> OracleSco
     cache = copy.deepcopy(prefilled.cache)
     modules = attention_modules(model)
     future = torch.tensor([future_ids], device=prefilled.input_ids.device)
-    with InputCapture(modules) as capture:
+    with captured_queries(model, modules) as store:
         model.base_model(input_ids=future, use_cache=True, **{cache_kwarg(model.base_model): cache})
     importance = {}
     for module in modules:
-        hidden, cos, sin = capture.store[module.layer_idx]
-        queries = queries_of(module, hidden, cos, sin, len(future_ids)).queries[0]
+        queries = store[module.layer_idx].queries[0]
         keys = cache.layers[module.layer_idx].keys[0]
         importance[module.layer_idx], _ = future_attention(queries, keys, prompt_tokens, module.scaling)
     return OracleScorer(importance)

@@ -244,6 +244,13 @@ def score(sample: Sample, prediction: str) -> float:
     return sum(answer.lower() in prediction for answer in sample.answers) / len(sample.answers)
 
 
+def gold_answer_ids(sample: Sample, tokenizer) -> list[int]:
+    """The gold answer as the model would write it after ``answer_prefix``, ending with EOS: the
+    teacher-forced future of training traces and of the benchmark's oracle."""
+    ids = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)["input_ids"]
+    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+
+
 # ----------------------------------------------------------------------------------------------
 # Builders: each returns one sample sized to the target, from a string seed.
 

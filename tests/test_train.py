@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvp_cache.policy import HeadAgents, KVPolicy, load_policy
+from kvp_cache.targets import attention_modules
 from train import collect, corpora, data, evaluate, fit, reward, rl
 from train.batch import Batch
 from train.traces import TraceSplit, shard_dir, write_shard
@@ -102,7 +103,7 @@ def test_value_importance_and_question_after_match_brute_force(llama):
     g = torch.Generator().manual_seed(5)
     prompt, question, answer = (torch.randint(0, 256, (k,), generator=g).tolist() for k in (30, 5, 4))
     example = data.Example("q/0", "q", prompt, answer, question_ids=question)
-    modules = collect.attention_modules(llama)
+    modules = attention_modules(llama)
     trace = collect.trace_example(llama, modules, example, [], only_correct=False)
     assert trace.future_tokens == 9
     with torch.no_grad():
@@ -137,7 +138,7 @@ def test_only_correct_keeps_answered_samples_and_skips_the_rest(tmp_path, llama)
     tokenizer = ByteTokenizer()
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 256, (24,), generator=g).tolist() for _ in range(3)]
-    modules = collect.attention_modules(llama)
+    modules = attention_modules(llama)
     cache_logits = []
     for ids in prompts:  # what the full cache answers greedily, to build one right and two wrong samples
         trace = collect.trace_example(

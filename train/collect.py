@@ -5,10 +5,10 @@ values are exactly what an eviction cache would hold. When the future is the mod
 a RULER sample must be checked (``only_correct``: keep only samples the full cache answers), the
 model then decodes greedily on a copy of the cache. Last, the future (question tokens, if asked
 after, then the gold answer, the greedy answer or the true text continuation) runs over the cache
-with a pre-hook on each traced attention module that keeps its input hidden states and RoPE tables.
+with query-capturing hooks on each traced attention module (:func:`kvp_cache.targets.captured_queries`).
 Only the layers a ``KVPCache`` evicts are traced (:func:`kvp_cache.compat.evicting_layer_indices`:
 every layer of SmolLM2, the 3 full-attention layers of Gemma 3 270M; the metadata lists them).
-Per traced layer it stores the prompt's K/V and each prompt token's targets (``train/targets.py``):
+Per traced layer it stores the prompt's K/V and each prompt token's targets (:mod:`kvp_cache.targets`):
 the future attention and its value-weighted twin, from the model's full causal softmax attention
 over prompt + future. Future queries are processed in chunks, never as a full ``T x T`` matrix.
 
@@ -37,13 +37,13 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from kvp_cache import ruler
-from kvp_cache.capture import queries_of
-from kvp_cache.compat import attention_shape, cache_kwarg, evicting_layer_indices, text_config
+from kvp_cache.capture import append_queries
+from kvp_cache.compat import attention_shape, cache_kwarg, text_config
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.scorers import make_scorer, methods
+from kvp_cache.targets import attention_modules, captured_queries, future_attention, value_output_norms
 from train import data
 from train.corpora import CORPORA, Keep, documents, keep_all
-from train.targets import future_attention, value_output_norms
 from train.traces import shard_dir, shard_done, write_shard
 
 TASK_FUTURES = ("gold", "greedy")
@@ -118,46 +118,6 @@ def query_aware_methods() -> list[str]:
     return methods(query_aware=True, learned=False)
 
 
-def attention_modules(model) -> list[torch.nn.Module]:
-    """The attention modules of the evicting layers, in layer order (Llama-style: ``q_proj`` and
-    ``layer_idx``); sliding-window layers are never evicted, so they are not traced."""
-    modules = sorted(
-        (m for m in model.modules() if hasattr(m, "q_proj") and getattr(m, "layer_idx", None) is not None),
-        key=lambda m: m.layer_idx,
-    )
-    layers = attention_shape(model.config).num_layers
-    if len(modules) != layers:
-        raise NotImplementedError(
-            f"collect needs Llama-style attention modules (q_proj, layer_idx); found {len(modules)} of {layers}"
-        )
-    evicting = set(evicting_layer_indices(model.config))
-    return [m for m in modules if m.layer_idx in evicting]
-
-
-class InputCapture:
-    """Pre-hooks that keep each attention module's ``hidden_states`` and ``(cos, sin)`` of one forward."""
-
-    def __init__(self, modules: list[torch.nn.Module]):
-        self.modules = modules
-        self.store: dict[int, tuple] = {}
-        self.handles = []
-
-    def __enter__(self):
-        for module in self.modules:
-            self.handles.append(module.register_forward_pre_hook(self._hook, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-    def _hook(self, module, args, kwargs):
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        cos, sin = kwargs["position_embeddings"] if "position_embeddings" in kwargs else args[1]
-        self.store[module.layer_idx] = (hidden, cos, sin)
-
-
 @torch.no_grad()
 def greedy_continue(
     model,
@@ -228,8 +188,8 @@ def trace_example(
     device = next(model.parameters()).device
     cache = DynamicCache(config=text_config(model.config))
     keyword = cache_kwarg(model)
-    capture_prompt = InputCapture(modules) if methods else contextlib.nullcontext()
-    with capture_prompt:
+    prompt_queries = captured_queries(model, modules) if methods else contextlib.nullcontext({})
+    with prompt_queries as prompt_store:
         out = model(
             input_ids=torch.tensor([example.prompt_ids], device=device),
             use_cache=True,
@@ -259,7 +219,7 @@ def trace_example(
     if not future:
         raise ValueError(f"example {example.uid} has no future token")
     base = model.base_model
-    with InputCapture(modules) as capture:
+    with captured_queries(model, modules) as future_store:
         base(input_ids=torch.tensor([future], device=device), use_cache=True, **{cache_kwarg(base): cache})
     positions = torch.arange(n, device=device)[None]
     scorers = [(m, make_scorer(m)) for m in methods]
@@ -267,8 +227,7 @@ def trace_example(
     for module in modules:
         layer = module.layer_idx
         keys, values = cache.layers[layer].keys[0], cache.layers[layer].values[0]  # [kv_heads, T, d]
-        hidden, cos, sin = capture.store[layer]
-        future_q = queries_of(module, hidden, cos, sin, len(future)).queries[0]
+        future_q = future_store[layer].queries[0]
         norms = value_output_norms(values[:, :n], module.o_proj.weight)
         importance, value_importance = future_attention(future_q, keys, n, module.scaling, norms)
         tensors = {
@@ -278,8 +237,7 @@ def trace_example(
             "value_importance": value_importance.cpu(),
         }
         for name, scorer in scorers:
-            hidden_p, cos_p, sin_p = capture_prompt.store[layer]
-            q = queries_of(module, hidden_p, cos_p, sin_p, scorer.query_window)
+            q = append_queries(None, prompt_store[layer], scorer.query_window)  # its last query_window
             score = scorer.score(keys[None, :, :n], values[None, :, :n], positions, q, layer)[0]
             tensors[f"score.{name}"] = score.float().cpu()
         layers.append(tensors)

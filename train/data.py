@@ -59,12 +59,6 @@ def log_uniform_length(rng: random.Random, low: int, high: int) -> int:
     return low if low == high else round(math.exp(rng.uniform(math.log(low), math.log(high))))
 
 
-def gold_answer_ids(sample: ruler.Sample, tokenizer) -> list[int]:
-    """The gold answer as the model would write it after ``answer_prefix``, ending with EOS."""
-    ids = tokenizer(" " + ", ".join(sample.answers) + ".", add_special_tokens=False)["input_ids"]
-    return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-
-
 def synthetic_examples(
     tokenizer,
     n: int,
@@ -106,7 +100,7 @@ def synthetic_examples(
                 uid=f"{task}{kind}/{i}",
                 source=f"{task}{kind}",
                 prompt_ids=tokenizer(prefix, add_special_tokens=False)["input_ids"],
-                future_ids=gold_answer_ids(sample, tokenizer) if gold_future else None,
+                future_ids=ruler.gold_answer_ids(sample, tokenizer) if gold_future else None,
                 question_ids=tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else [],
                 sample=sample,
                 info={"answers": list(sample.answers)},
