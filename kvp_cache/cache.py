@@ -31,6 +31,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from kvp_cache.allocation import entry_ranks, head_counts, validate_mode
 from kvp_cache.budget import (
     Budget,
     kept_per_row,
@@ -43,7 +44,7 @@ from kvp_cache.capture import append_queries, drop_last_queries, map_query_batch
 from kvp_cache.compat import attention_shape, check_decoder_config, evicting_layer_indices, text_config
 from kvp_cache.hooks import ForwardContext, ModelHooks
 from kvp_cache.prefill import Prefill
-from kvp_cache.scorers import QueryStates, Scorer, make_scorer, methods
+from kvp_cache.scorers import SCORERS, QueryStates, Scorer, make_scorer, methods
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class EvictionSettings:
     evict_every: int = 64
     track_positions: bool = False
     built_from_model: bool = False
+    allocation: str = "uniform"
+    min_per_head: int | None = None
 
 
 class EvictingLayer(DynamicLayer):
@@ -160,7 +163,7 @@ class EvictingLayer(DynamicLayer):
             window = self.settings.scorer.query_window
             self.recent_queries = append_queries(self.recent_queries, queries, window)
         keys, values = self._append(key_states, value_states, new_real)
-        kept = self._kept_after(key_states.shape[-2])
+        kept = self._kept_after(key_states.shape[-2], self.valid.sum(-1))
         if kept is not None:
             self._evict(kept)
         return keys, values
@@ -202,33 +205,37 @@ class EvictingLayer(DynamicLayer):
         """Score the decoded tokens still waiting (NaN), each as it was when it entered alone.
 
         They all entered after the last eviction, so a waiting entry's index among its row's real
-        tokens is ``seen_real`` minus the real entries from it to the end. Scoring them as a batch
-        of one-token rows gives each the score a one-token forward would have given it then.
+        tokens is ``seen_real`` minus the real entries from it to the end.
         """
         pending = self.scores[0, 0].isnan().nonzero().squeeze(-1)  # the same slots in every row and head
         if pending.numel() == 0:
             return
-        b, h, _, d = self.keys.shape
         real_from_here = self.valid.flip(-1).long().cumsum(-1).flip(-1)
         positions = (self.seen_real[:, None] - real_from_here).masked_fill(~self.valid, -1)[:, pending]
-        m = pending.numel()
+        self.scores[:, :, pending] = self._score_one_token_rows(
+            self.keys[:, :, pending], self.values[:, :, pending], positions
+        )
+
+    def _score_one_token_rows(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
+        """Scores ``[batch, kv_heads, m]`` of ``m`` decoded tokens (``keys``/``values``
+        ``[batch, kv_heads, m, head_dim]``, ``positions`` ``[batch, m]``): as a batch of one-token
+        rows, each gets the score a one-token forward would have given it when it entered."""
+        b, h, m, d = keys.shape
 
         def one_token_rows(states: torch.Tensor) -> torch.Tensor:  # [b, h, m, d] -> [b * m, h, 1, d]
-            return states[:, :, pending].permute(0, 2, 1, 3).reshape(b * m, h, 1, d)
+            return states.permute(0, 2, 1, 3).reshape(b * m, h, 1, d)
 
-        scores = self._score_at_entry(
-            one_token_rows(self.keys), one_token_rows(self.values), positions.reshape(-1, 1)
-        )
-        self.scores[:, :, pending] = scores.reshape(b, m, h).transpose(1, 2)
+        scores = self._score_at_entry(one_token_rows(keys), one_token_rows(values), positions.reshape(-1, 1))
+        return scores.reshape(b, m, h).transpose(1, 2)
 
     def prefill_evicts(self, q: int) -> bool:
         """Whether a forward of ``q`` new tokens ends with the budget eviction of the schedule."""
         return q > 1 and (self.settings.compress == "every_prefill" or not self.compressed)
 
-    def _kept_after(self, q: int) -> torch.Tensor | None:
-        """Entries each row keeps after a forward of ``q`` tokens (``[batch]``), None if no eviction is due."""
+    def _kept_after(self, q: int, real_in_cache: torch.Tensor) -> torch.Tensor | None:
+        """Entries each head of a row keeps after a forward of ``q`` tokens (``[batch]``), None if no
+        eviction is due; ``real_in_cache`` ``[batch]``: the real entries a head holds now."""
         s = self.settings
-        real_in_cache = self.valid.sum(-1)
         kept = None
         if self.prefill_evicts(q):
             self.compressed = True
@@ -276,6 +283,11 @@ class EvictingLayer(DynamicLayer):
         for name in ("scores", "positions"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, index))
+
+    def kept_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, valid)``: the logical position of every kept entry, ``[batch, kv_heads,
+        slots]`` (needs ``track_positions=True``), and which slots hold a real one, ``[batch, slots]``."""
+        return self.positions, self.valid
 
     def _padding_aligned(self, kept: torch.Tensor, slots: int) -> bool:
         """True if the invalid slots fall exactly on the zero columns of the caller's left-padded mask."""
@@ -343,14 +355,42 @@ class EvictingLayer(DynamicLayer):
 
 def layer_bytes(layer) -> int:
     """Bytes of one cache layer's per-row tensors (any transformers layer): keys, values and, for an
-    evicting layer, its per-slot metadata (validity, stored scores, tracked positions)."""
-    tensors = (getattr(layer, name, None) for name in EvictingLayer.BATCH_FIELDS)
+    evicting layer, its per-slot metadata (validity, stored scores, tracked positions), per head
+    for a ragged layer."""
+    tensors = []
+    for name in EvictingLayer.BATCH_FIELDS:
+        value = getattr(layer, name, None)
+        tensors.extend(value if isinstance(value, list) else [value])
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def cache_bytes(cache: Cache) -> int:
     """Bytes of every layer of ``cache`` (:func:`layer_bytes`)."""
     return sum(layer_bytes(layer) for layer in cache.layers)
+
+
+def _check_allocation(allocation, min_per_head, budget: Budget, scorer: Scorer, model) -> None:
+    """Errors naming the parameter for a bad ``allocation`` / ``min_per_head`` of ``KVPCache``."""
+    validate_mode(allocation, "allocation")
+    if min_per_head is not None:
+        validate_count("min_per_head", min_per_head, 1)
+        if isinstance(budget, int) and min_per_head > budget:
+            raise ValueError(
+                f"min_per_head ({min_per_head}) exceeds the per-head budget ({budget}): lower it"
+            )
+    if allocation == "uniform":
+        return
+    if not scorer.comparable_across_heads:
+        comparable = sorted(name for name, cls in SCORERS.items() if cls.comparable_across_heads)
+        raise ValueError(
+            f"allocation={allocation!r} ranks entries across heads, which method {scorer.name!r} cannot: "
+            f"its scores are not comparable across heads. Use allocation='uniform' or one of {comparable}"
+        )
+    if model is None:
+        raise ValueError(
+            f"allocation={allocation!r} attends through its own attention function: build the cache with "
+            "KVPCache(model, ...), not a config"
+        )
 
 
 def _build_scorer(method: str | Scorer | None, options: dict) -> Scorer:
@@ -412,6 +452,14 @@ class KVPCache(Cache):
         evict_every: int >= 1, the slack above ``max_cache_tokens`` (one eviction per
             ``evict_every`` decoded tokens, not one per token).
         track_positions: also store each kept entry's logical position (for inspection and tests).
+        allocation: how the budget is split among KV heads: ``"uniform"`` (every head keeps the same
+            count), ``"head"`` (one ranking over every layer's heads decides each head's count) or
+            ``"layer"`` (that ranking decides each layer's count, split evenly over its heads). The
+            total is the same in every mode; ``"layer"``/``"head"`` need a model and a method with
+            scores comparable across heads, and store each head on its own (:mod:`kvp_cache.ragged`).
+        min_per_head: with ``"layer"``/``"head"``, the entries every head keeps at least (protected
+            ones included), from 1 up to the per-head budget; None: the sinks and window plus
+            :data:`kvp_cache.allocation.MIN_EXTRA_PER_HEAD`, capped at the per-head budget.
         **method_options: the options of the method's dataclass (see its docstring); for
             ``method="kvp"``, ``policy=`` (shipped name, directory, Hub id or ``KVPolicy``).
     """
@@ -427,6 +475,8 @@ class KVPCache(Cache):
         max_cache_tokens: int | None = None,
         evict_every: int = 64,
         track_positions: bool = False,
+        allocation: str = "uniform",
+        min_per_head: int | None = None,
         **method_options,
     ):
         model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
@@ -453,10 +503,12 @@ class KVPCache(Cache):
             raise ValueError(
                 f"method '{scorer.name}' needs the prefill queries: build the cache with KVPCache(model, ...), not a config"
             )
+        budget = validate_budget(budget)
+        _check_allocation(allocation, min_per_head, budget, scorer, model)
         shape = attention_shape(config)
         self.settings = EvictionSettings(
             scorer=scorer,
-            budget=validate_budget(budget),
+            budget=budget,
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
             num_kv_heads=shape.num_kv_heads,
@@ -466,11 +518,18 @@ class KVPCache(Cache):
             evict_every=evict_every,
             track_positions=track_positions,
             built_from_model=model is not None,
+            allocation=allocation,
+            min_per_head=min_per_head,
         )
         self.context = ForwardContext()
         evicting = set(evicting_layer_indices(config))
+        layer_type = EvictingLayer
+        if allocation != "uniform":
+            from kvp_cache.ragged import RaggedLayer  # ragged builds on this module
+
+            layer_type = RaggedLayer
         layers = [
-            EvictingLayer(self.settings, self.context, i) if i in evicting else layer
+            layer_type(self.settings, self.context, i) if i in evicting else layer
             for i, layer in enumerate(DynamicCache(config=config).layers)
         ]
         super().__init__(layers=layers)
@@ -535,6 +594,7 @@ class KVPCache(Cache):
                 )
             else:
                 cache.layers[i] = copy.deepcopy(source)
+        cache.end_forward()
         return cache
 
     @classmethod
@@ -578,6 +638,37 @@ class KVPCache(Cache):
         layers = self.evicting_layers
         return bool(layers) and (self.settings.max_cache_tokens is not None or layers[0].prefill_evicts(q))
 
+    def end_forward(self) -> None:
+        """Evict every layer at once if the forward that just ended calls for it (allocation
+        ``"layer"``/``"head"``; the hooks call this; a uniform cache evicts inside ``update``)."""
+        from kvp_cache.ragged import RaggedLayer
+
+        layers = [layer for layer in self.evicting_layers if isinstance(layer, RaggedLayer)]
+        layers = [layer for layer in layers if layer.is_initialized and layer.pending_forward]
+        if not layers:
+            return
+        heads = sum(len(layer.keys) for layer in layers)
+        real_per_head = sum(layer.real_entries().sum(-1) for layer in layers) // heads
+        due = [layer._kept_after(layer.pending_forward, real_per_head) for layer in layers]
+        for layer in layers:
+            layer.pending_forward = 0
+        kept = due[0]  # every layer saw the same tokens, so the schedule's answer is the same
+        if kept is None:
+            return
+        scores, valid, protected = zip(*(layer.scores_for_allocation(kept) for layer in layers), strict=True)
+        ranks = [entry_ranks(*args) for args in zip(scores, valid, protected, strict=True)]
+        counts = head_counts(
+            list(scores),
+            ranks,
+            [p.sum(-1) for p in protected],
+            kept,
+            self.settings.allocation,
+            self.settings.min_per_head,
+            available=[v.sum(-1) for v in valid],
+        )
+        for layer, count, rank in zip(layers, counts, ranks, strict=True):
+            layer.keep(count, rank)
+
     def kv_bytes(self) -> int:
         """Bytes held by the cache: keys, values and per-slot metadata of every layer."""
         return cache_bytes(self)
@@ -603,5 +694,5 @@ class KVPCache(Cache):
         return (
             f"KVPCache(method={self.method!r}, budget={s.budget}, sink_tokens={s.sink_tokens}, "
             f"window_tokens={s.window_tokens}, compress={s.compress!r}, max_cache_tokens={s.max_cache_tokens}, "
-            f"evict_every={s.evict_every}, evicting_layers={len(self.evicting_layers)}/{len(self.layers)})"
+            f"evict_every={s.evict_every}, allocation={s.allocation!r}, evicting_layers={len(self.evicting_layers)}/{len(self.layers)})"
         )

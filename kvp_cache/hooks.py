@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvp_cache.capture import QueryCapture
-from kvp_cache.compat import cache_argument
+from kvp_cache.compat import cache_argument, text_config
 from kvp_cache.scorers import QueryStates
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class ModelHooks:
             decoder.register_forward_pre_hook(self._before, with_kwargs=True),
             decoder.register_forward_hook(self._after, with_kwargs=True, always_call=True),
         ]
+        self._restore = None  # (configs and their attention implementations, context token) mid-forward
         weakref.finalize(cache, _remove_all, handles, self.capture)
 
     def _before(self, module, args, kwargs):
@@ -81,16 +82,43 @@ class ModelHooks:
         if self.capture is not None and cache.captures_queries(q):
             self.capture.attach(context.queries)
         kwargs["attention_mask"] = mask_invalid_slots(cache, mask, tokens)
+        if cache.settings.allocation != "uniform":
+            self._switch_to_ragged_attention(cache)
         return args, kwargs
 
     def _after(self, module, args, kwargs, output):
         cache = self._cache()
         if cache is None or cache_argument(kwargs) is not cache:
             return None
-        cache.context.clear()
-        if self.capture is not None:
-            self.capture.detach()
+        try:
+            if output is not None and cache.settings.allocation != "uniform":
+                cache.end_forward()
+        finally:
+            cache.context.clear()
+            if self.capture is not None:
+                self.capture.detach()
+            self._restore_attention()
         return None
+
+    def _switch_to_ragged_attention(self, cache: KVPCache) -> None:
+        """Attend through :func:`kvp_cache.ragged.ragged_attention` for this forward only."""
+        from kvp_cache.ragged import ACTIVE_CACHE, RAGGED_ATTENTION  # ragged builds on the cache
+
+        configs = {id(c): c for c in (self.model().config, text_config(self.model().config))}.values()
+        self._restore = [(c, c._attn_implementation_internal) for c in configs], ACTIVE_CACHE.set(cache)
+        for config in configs:
+            config._attn_implementation_internal = RAGGED_ATTENTION
+
+    def _restore_attention(self) -> None:
+        if self._restore is None:
+            return
+        from kvp_cache.ragged import ACTIVE_CACHE
+
+        saved, token = self._restore
+        self._restore = None
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
+        ACTIVE_CACHE.reset(token)
 
 
 def mask_invalid_slots(
@@ -106,6 +134,8 @@ def mask_invalid_slots(
     layers = cache.evicting_layers
     if not layers or not layers[0].is_initialized or (mask is not None and mask.dim() != 2):
         return mask
+    if cache.settings.allocation != "uniform":
+        return mask  # the ragged attention masks each head's padding slots itself
     valid = layers[0].valid
     if bool(valid.all()):
         return mask

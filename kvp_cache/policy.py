@@ -5,12 +5,15 @@
 - :mod:`kvp_cache.agents`: the scoring network (one agent per KV head), fused and reference forward;
 - :mod:`kvp_cache.policy_loading`: shipped names, local directories and Hub ids; strict safetensors;
 - :mod:`kvp_cache.policy_card`: the training record and the model card;
-- here: the policy's configuration, its fit to a model, saving and pushing, and :func:`load_policy`.
+- here: the policy's configuration, its fit to a model, its :class:`Calibration` (scores comparable
+  across heads, for adaptive allocation), saving and pushing, and :func:`load_policy`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,12 +32,16 @@ from kvp_cache.compat import attention_shape, evicting_layer_indices, text_confi
 from kvp_cache.policy_card import LIBRARY_NAME, LICENSE, PAPER_URL, TAGS, check_training, model_card
 from kvp_cache.policy_loading import (
     ARCHITECTURE_KEYS,
+    CALIBRATION_KEYS,
+    CALIBRATION_NAME,
     CONFIG_NAME,
     POLICIES_DIR,
     WEIGHTS_NAME,
+    calibration_file,
     check_state_dict,
     is_hub_id,
     policy_files,
+    read_calibration,
     read_config,
     read_weights,
     shipped_policies,
@@ -44,6 +51,61 @@ from kvp_cache.provenance import sha256_of
 # What a policy shares with its LLM: one agent per (evicting layer, KV head), each reading head_dim
 # vectors; layer_indices are the layers the cache evicts (all of them unless the model is hybrid).
 MODEL_SHAPE = ("num_layers", "num_kv_heads", "head_dim", "layer_indices")
+
+
+@dataclass
+class Calibration:
+    """A per-(evicting layer, KV head) scale on the policy's ranking, so one sort ranks every head.
+
+    The policy ranks a head's entries; ``weight * softmax(scores / temperature)`` over the head's
+    entries (:func:`calibrated_shares`) estimates each entry's share of the future attention mass,
+    a value comparable across heads and layers. Without a calibration both are 1 (the per-head
+    softmax). ``python -m train calibrate`` fits them.
+
+    temperature, weight: ``[len(layer_indices), num_kv_heads]`` float32, finite and positive; row
+        ``i`` belongs to model layer ``policy.layer_indices[i]``.
+    record: JSON-able record of the fit (command, data, loss, variant, ...), saved in config.json.
+    """
+
+    temperature: Tensor
+    weight: Tensor
+    record: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in CALIBRATION_KEYS:
+            value = getattr(self, name)
+            if not isinstance(value, Tensor) or value.ndim != 2:
+                raise ValueError(f"calibration {name} must be a [layers, kv_heads] tensor, got {value!r}")
+            if not (torch.isfinite(value).all() and (value > 0).all()):
+                raise ValueError(f"calibration {name} must be finite and positive, got {value}")
+            setattr(self, name, value.detach().float().cpu().contiguous())
+        if self.temperature.shape != self.weight.shape:
+            raise ValueError(
+                f"calibration temperature {tuple(self.temperature.shape)} and weight "
+                f"{tuple(self.weight.shape)} must have the same shape"
+            )
+        try:
+            json.dumps(self.record)
+        except TypeError as error:
+            raise ValueError(f"calibration record must be JSON-serialisable: {error}") from None
+
+    def to_bytes(self) -> bytes:
+        """The ``calibration.safetensors`` file."""
+        from safetensors.torch import save
+
+        return save({name: getattr(self, name) for name in CALIBRATION_KEYS})
+
+
+def calibrated_shares(scores: Tensor, valid: Tensor, temperature: Tensor, weight: Tensor) -> Tensor:
+    """``weight * softmax(scores / temperature)`` over each head's valid entries: float32, -inf where
+    not valid.
+
+    scores, valid: ``[..., kv_heads, seq]``; temperature, weight: ``[kv_heads]`` (differentiable, so
+    ``train calibrate`` fits them through this very function).
+    """
+    logits = (scores.float() / temperature[:, None]).masked_fill(~valid, float("-inf"))
+    # A head without valid entries softmaxes to NaN; the fill below replaces all of it.
+    return (logits.softmax(-1) * weight[:, None]).masked_fill(~valid, float("-inf"))
 
 
 class KVPolicy(
@@ -115,6 +177,7 @@ class KVPolicy(
         self.num_mlp_layers = num_mlp_layers
         self.base_model = base_model
         self.training_info = check_training(training)
+        self._calibration: Calibration | None = None
         self.layers = nn.ModuleList(
             HeadAgents(
                 num_kv_heads,
@@ -148,6 +211,44 @@ class KVPolicy(
         check_trained_length(value)
         for agents in self.layers:
             agents.trained_length = value
+
+    @property
+    def calibration(self) -> Calibration | None:
+        """The per-head scale of :meth:`cross_head_scores` (None: temperature 1 and weight 1)."""
+        return self._calibration
+
+    @calibration.setter
+    def calibration(self, value: Calibration | None) -> None:
+        if value is not None:
+            if not isinstance(value, Calibration):
+                raise TypeError(f"calibration must be a Calibration or None, got {type(value).__name__}")
+            shape = (len(self.layer_indices), self.num_kv_heads)
+            if tuple(value.temperature.shape) != shape:
+                raise ValueError(
+                    f"calibration must be [evicting layers, kv_heads] = {list(shape)} for this policy, "
+                    f"got {list(value.temperature.shape)}"
+                )
+        self._calibration = value
+
+    def cross_head_scores(self, layer_idx: int, scores: Tensor, valid: Tensor) -> Tensor:
+        """Each entry's estimated share of the future attention mass, comparable across heads and
+        layers: :func:`calibrated_shares` with the calibration of model layer ``layer_idx``.
+
+        scores: ``[batch, kv_heads, seq]`` as :meth:`forward` returned them; valid: the same shape,
+        bool. Returns float32 of that shape, -inf where not valid.
+        """
+        self.agents_for(layer_idx)  # a clear error for a layer without agents
+        if scores.shape != valid.shape or scores.shape[-2] != self.num_kv_heads:
+            raise ValueError(
+                f"scores and valid must both be [batch, {self.num_kv_heads}, seq], got "
+                f"{tuple(scores.shape)} and {tuple(valid.shape)}"
+            )
+        if self.calibration is None:
+            ones = torch.ones(self.num_kv_heads, device=scores.device)
+            return calibrated_shares(scores, valid, ones, ones)
+        row = self._agent_of_layer[layer_idx]
+        temperature = self.calibration.temperature[row].to(scores.device)
+        return calibrated_shares(scores, valid, temperature, self.calibration.weight[row].to(scores.device))
 
     def agents_for(self, layer_idx: int) -> HeadAgents:
         """The agents of model layer ``layer_idx`` (one of :attr:`layer_indices`)."""
@@ -213,7 +314,7 @@ class KVPolicy(
         from kvp_cache import __version__
 
         architecture = {key: getattr(self, key) for key in ARCHITECTURE_KEYS}
-        return architecture | {
+        config = architecture | {
             "layer_indices": self.layer_indices,
             "position_strategy": self.position_strategy,
             "trained_length": self.trained_length,
@@ -221,11 +322,17 @@ class KVPolicy(
             "training": self.training_info,
             "kvp_cache_version": __version__,
         }
+        if self.calibration is not None:
+            sha256 = hashlib.sha256(self.calibration.to_bytes()).hexdigest()
+            config["calibration"] = {"sha256": sha256, "record": self.calibration.record}
+        return config
 
     # ---- saving -------------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: str | Path, *, config: None = None, **kwargs) -> str | None:
-        """Write ``model.safetensors``, ``config.json`` and the model card ``README.md`` (all overwritten).
+        """Write ``model.safetensors``, ``config.json``, the model card ``README.md`` and, if the policy
+        has a :attr:`calibration`, ``calibration.safetensors`` (all overwritten; a calibration file
+        left from another policy is removed).
 
         Takes the keyword arguments of ``PyTorchModelHubMixin.save_pretrained`` (``push_to_hub``,
         ``repo_id``, ``model_card_kwargs``, ...); ``config`` is not accepted, since config.json
@@ -244,13 +351,21 @@ class KVPolicy(
         (save_directory / CONFIG_NAME).write_text(
             json.dumps(self.config_dict(), indent=2, sort_keys=True) + "\n"
         )
+        mode = (save_directory / CONFIG_NAME).stat().st_mode & 0o777
         # safetensors writes owner-only (0600) files: give the weights the mode the umask gave the config.
-        (save_directory / WEIGHTS_NAME).chmod((save_directory / CONFIG_NAME).stat().st_mode & 0o777)
+        (save_directory / WEIGHTS_NAME).chmod(mode)
+        calibration = save_directory / CALIBRATION_NAME
+        if self.calibration is None:
+            calibration.unlink(missing_ok=True)  # config.json records none: a stale file would be refused
+        else:
+            calibration.write_bytes(self.calibration.to_bytes())
+            calibration.chmod(mode)
 
     def push_to_hub(
         self, repo_id: str, *, config: None = None, model_card_kwargs: dict | None = None, **kwargs
     ) -> str:
-        """Upload config.json, model.safetensors and README.md to the Hub repo ``repo_id`` (created if needed).
+        """Upload config.json, model.safetensors, README.md and any calibration.safetensors to the Hub repo
+        ``repo_id`` (created if needed).
 
         Takes the keyword arguments of ``PyTorchModelHubMixin.push_to_hub`` (token, private, branch, ...).
         """
@@ -281,7 +396,9 @@ class KVPolicy(
 
         Replaces the mixin's loader, which is not strict by default and falls back to pickle
         weights: here the weights come only from ``model.safetensors`` and must match the
-        config's architecture key for key and shape. Returns the policy in eval mode.
+        config's architecture key for key and shape; a calibration config.json records must be in
+        ``calibration.safetensors`` with that sha256, keys and shapes. Returns the policy in eval
+        mode, with ``source``, ``weights_sha256`` and ``calibration_sha256`` (None without one).
         """
         source = str(pretrained_model_name_or_path)
         config_file, weights_file = policy_files(
@@ -292,10 +409,22 @@ class KVPolicy(
             force_download=force_download,
             local_files_only=local_files_only,
         )
-        policy = cls(**read_config(config_file, source))
+        config = read_config(config_file, source)
+        recorded = config.pop("calibration", None)
+        policy = cls(**config)
         state = read_weights(weights_file, source)
         check_state_dict(policy, state, source)
         policy.load_state_dict(state, strict=True)
+        download = dict(revision=revision, token=token, cache_dir=cache_dir, force_download=force_download)
+        path = calibration_file(
+            pretrained_model_name_or_path, recorded is not None, local_files_only=local_files_only, **download
+        )
+        policy.calibration_sha256 = None
+        if path is not None:
+            shape = (len(policy.layer_indices), policy.num_kv_heads)
+            tensors = read_calibration(path, source, recorded, shape)
+            policy.calibration = Calibration(**tensors, record=recorded.get("record", {}))
+            policy.calibration_sha256 = recorded["sha256"]
         policy.source = source
         policy.weights_sha256 = sha256_of(weights_file)
         return policy.to(map_location).eval()
@@ -339,4 +468,13 @@ def load_policy(name_or_path: str | Path, map_location: str | torch.device = "cp
     return KVPolicy.from_pretrained(name_or_path, map_location=map_location)
 
 
-__all__ = ["POLICIES_DIR", "POSITION_STRATEGIES", "HeadAgents", "KVPolicy", "load_policy", "shipped_policies"]
+__all__ = [
+    "POLICIES_DIR",
+    "POSITION_STRATEGIES",
+    "Calibration",
+    "HeadAgents",
+    "KVPolicy",
+    "calibrated_shares",
+    "load_policy",
+    "shipped_policies",
+]

@@ -117,6 +117,7 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
             f"- trained on prompts of up to {policy.trained_length} tokens: longer prompts read the position "
             "table only up to the last row those prompts reached"
         )
+    parts += calibration_section(policy)
     parts += ["", "## Training", ""]
     if not training:
         parts.append("No training record: this policy may be untrained.")
@@ -145,6 +146,32 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
             parts += ["", f"Accuracy on {task} per budget (higher is better):", ""]
             parts.append(evaluation_table(evaluation["budgets"], evaluation["accuracy"]))
     return "\n".join(parts) + "\n"
+
+
+def calibration_section(policy: KVPolicy) -> list[str]:
+    """Model-card lines on the policy's calibration (none without one)."""
+    calibration = policy.calibration
+    if calibration is None:
+        return []
+    lines = [
+        "",
+        "## Calibration",
+        "",
+        "`calibration.safetensors` holds a temperature and a weight per (layer, KV head): "
+        "`weight * softmax(score / temperature)` over a head's entries estimates each entry's share of "
+        "the future attention, comparable across heads and layers (`KVPolicy.cross_head_scores`), "
+        "for allocations that move budget between heads.",
+        "",
+        f"- temperature: {_spread(calibration.temperature)}",
+        f"- weight: {_spread(calibration.weight)}",
+    ]
+    return lines + [f"- {key}: {json.dumps(value)}" for key, value in calibration.record.items()]
+
+
+def _spread(values) -> str:
+    return (
+        f"median {values.median().item():.3g}, range {values.min().item():.3g} to {values.max().item():.3g}"
+    )
 
 
 def model_card(policy: KVPolicy, tags: list[str], repo_id: str | None = None) -> ModelCard:

@@ -1,7 +1,9 @@
 """Finding and reading a KVP policy's files: shipped name, local directory or Hub repo; strict safetensors.
 
 A policy is a directory with ``config.json`` (the ``KVPolicy`` arguments, see :func:`read_config`)
-and ``model.safetensors``. Names resolve in a fixed order (:func:`resolve_local`): a policy shipped
+and ``model.safetensors``, and optionally ``calibration.safetensors`` (the per-head scale that makes
+its scores comparable across heads, :func:`read_calibration`), which config.json then records with
+its sha256. Names resolve in a fixed order (:func:`resolve_local`): a policy shipped
 in ``kvp_cache/policies/``, then a local directory, then a Hub repo id. Weights load only from
 safetensors and must match the config key for key and shape; pickle checkpoints are refused
 without being opened, since unpickling can run code.
@@ -25,6 +27,9 @@ from torch import Tensor, nn
 POLICIES_DIR = Path(__file__).resolve().parent / "policies"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+CALIBRATION_NAME = "calibration.safetensors"
+CALIBRATION_KEYS = ("temperature", "weight")
+"""The tensors of ``calibration.safetensors``, each ``[evicting layers, kv_heads]`` float32, positive."""
 PICKLE_PATTERNS = ("pytorch_model.bin", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 
 # Architecture keys config.json must hold; the rest of the config are optional settings and metadata.
@@ -45,6 +50,7 @@ OPTIONAL_KEYS = (
     "base_model",
     "training",
     "kvp_cache_version",
+    "calibration",
 )
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -110,35 +116,32 @@ def _local_files(directory: Path) -> tuple[Path, Path]:
     return config_file, weights_file
 
 
-def _hub_files(repo_id: str, **download) -> tuple[Path, Path]:
-    """Download (or find in the HF cache) a Hub policy's config.json and model.safetensors."""
-    files = []
-    for filename in (CONFIG_NAME, WEIGHTS_NAME):
-        try:
-            files.append(Path(hf_hub_download(repo_id=repo_id, filename=filename, **download)))
-        except LocalEntryNotFoundError:
-            raise ValueError(
-                f"Policy {repo_id!r} ({filename}) is not in the local Hugging Face cache and could not be downloaded "
-                "(HF_HUB_OFFLINE=1, local_files_only=True or no network). Download it once with "
-                f"`hf download {repo_id}`, or pass a local directory or a shipped policy "
-                f"({_shipped_names()})."
-            ) from None
-        except RepositoryNotFoundError:
-            raise ValueError(
-                f"Hub repo {repo_id!r} does not exist or is private (pass token=... for a private repo)"
-            ) from None
-        except EntryNotFoundError:
-            hint = (
-                " kvp_cache loads only safetensors weights, never pickle checkpoints."
-                if filename == WEIGHTS_NAME
-                else ""
-            )
-            raise ValueError(
-                f"Hub repo {repo_id!r} has no {filename}; it is not a kvp_cache policy.{hint}"
-            ) from None
-        except HfHubHTTPError as error:
-            raise ValueError(f"Could not download {filename} of policy {repo_id!r}: {error}") from None
-    return files[0], files[1]
+def _hub_file(repo_id: str, filename: str, **download) -> Path:
+    """Download (or find in the HF cache) one file of a Hub policy."""
+    try:
+        return Path(hf_hub_download(repo_id=repo_id, filename=filename, **download))
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"Policy {repo_id!r} ({filename}) is not in the local Hugging Face cache and could not be downloaded "
+            "(HF_HUB_OFFLINE=1, local_files_only=True or no network). Download it once with "
+            f"`hf download {repo_id}`, or pass a local directory or a shipped policy "
+            f"({_shipped_names()})."
+        ) from None
+    except RepositoryNotFoundError:
+        raise ValueError(
+            f"Hub repo {repo_id!r} does not exist or is private (pass token=... for a private repo)"
+        ) from None
+    except EntryNotFoundError:
+        hint = (
+            " kvp_cache loads only safetensors weights, never pickle checkpoints."
+            if filename in (WEIGHTS_NAME, CALIBRATION_NAME)
+            else ""
+        )
+        raise ValueError(
+            f"Hub repo {repo_id!r} has no {filename}; it is not a kvp_cache policy.{hint}"
+        ) from None
+    except HfHubHTTPError as error:
+        raise ValueError(f"Could not download {filename} of policy {repo_id!r}: {error}") from None
 
 
 def policy_files(name_or_path: str | Path, **download) -> tuple[Path, Path]:
@@ -149,7 +152,33 @@ def policy_files(name_or_path: str | Path, **download) -> tuple[Path, Path]:
     directory = resolve_local(name_or_path)
     if directory is not None:
         return _local_files(directory)
-    return _hub_files(str(name_or_path), **download)
+    return _hub_file(str(name_or_path), CONFIG_NAME, **download), _hub_file(
+        str(name_or_path), WEIGHTS_NAME, **download
+    )
+
+
+def calibration_file(name_or_path: str | Path, recorded: bool, **download) -> Path | None:
+    """The policy's ``calibration.safetensors``, or None when it has none.
+
+    recorded: whether its config.json records a calibration. A local directory must hold the file
+    exactly when it is recorded (a calibration config.json does not vouch for is refused); a Hub
+    repo is asked for it only when recorded.
+    """
+    directory = resolve_local(name_or_path)
+    if directory is None:
+        return _hub_file(str(name_or_path), CALIBRATION_NAME, **download) if recorded else None
+    path = directory / CALIBRATION_NAME
+    if recorded and not path.is_file():
+        raise ValueError(
+            f"Policy directory {str(directory)!r}: config.json records a calibration but {CALIBRATION_NAME} "
+            "is missing; copy it with the policy or remove the 'calibration' entry of config.json"
+        )
+    if not recorded and path.exists():
+        raise ValueError(
+            f"Policy directory {str(directory)!r} holds {CALIBRATION_NAME} but config.json records no "
+            "calibration; write it with KVPolicy.save_pretrained (which records its sha256) or remove it"
+        )
+    return path if recorded else None
 
 
 def read_config(config_file: Path, source: str) -> dict:
@@ -183,6 +212,43 @@ def read_weights(weights_file: Path, source: str) -> dict[str, Tensor]:
         raise ValueError(
             f"Policy {source!r}: {weights_file.name} is not a valid safetensors file ({error})"
         ) from None
+
+
+def read_calibration(
+    calibration_file: Path, source: str, recorded: dict, shape: tuple[int, int]
+) -> dict[str, Tensor]:
+    """The :data:`CALIBRATION_KEYS` tensors of a policy's ``calibration.safetensors``, strictly: the
+    file's sha256 must be the one config.json records, with exactly those keys, each of ``shape``
+    (``[evicting layers, kv_heads]``), finite and positive."""
+    from kvp_cache.provenance import sha256_of
+
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("sha256"), str):
+        raise ValueError(f"Policy {source!r}: config.json's 'calibration' must be a dict with its 'sha256'")
+    found = sha256_of(calibration_file)
+    if found != recorded["sha256"]:
+        raise ValueError(
+            f"Policy {source!r}: {CALIBRATION_NAME} has sha256 {found[:12]}..., config.json records "
+            f"{recorded['sha256'][:12]}...; the calibration belongs to another policy or was edited"
+        )
+    tensors = read_weights(calibration_file, source)
+    missing = sorted(set(CALIBRATION_KEYS) - set(tensors))
+    extra = sorted(set(tensors) - set(CALIBRATION_KEYS))
+    shapes = [
+        f"{key}: file {tuple(tensors[key].shape)} vs policy {shape}"
+        for key in sorted(set(CALIBRATION_KEYS) & set(tensors))
+        if tuple(tensors[key].shape) != shape
+    ]
+    if missing or extra or shapes:
+        problems = [
+            f"missing keys: {missing}" if missing else "",
+            f"unexpected keys: {extra}" if extra else "",
+            f"shape mismatches: {shapes}" if shapes else "",
+        ]
+        raise ValueError(
+            f"Policy {source!r}: {CALIBRATION_NAME} does not match its config.json "
+            f"({'; '.join(p for p in problems if p)}); refusing to load a partial calibration."
+        )
+    return {key: tensors[key].float() for key in CALIBRATION_KEYS}
 
 
 def check_state_dict(policy: nn.Module, state: dict[str, Tensor], source: str) -> None:

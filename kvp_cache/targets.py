@@ -8,8 +8,11 @@ share KV head ``h``:
 
 - after a prefill (:func:`future_attention`): ``importance[h, i] = sum_t max_{g in G(h)} A_g[t, i]``
   over the future queries ``t`` (the paper's future attention, section 4), and its value-weighted
-  twin ``sum_t max_g A_g[t, i] * ||W_o^g v_i||`` (:func:`value_output_norms`); the entries the
-  cache protects anyway (sinks and recent window) can be zeroed (:func:`evictable_only`).
+  twin ``sum_t max_g A_g[t, i] * ||W_o^g v_i||`` (:func:`value_output_norms`);
+- while decoding under ``max_cache_tokens`` (:func:`decode_attention`): at each eviction of the
+  cache's schedule (:func:`eviction_points`), the same sum over the queries that read the cache it
+  leaves, until the next eviction (or a fixed horizon), with the entries the cache protects
+  anyway (sinks and recent window) zeroed, as :func:`evictable_only` does after a prefill.
 
 The queries come from :class:`kvp_cache.capture.QueryCapture` hooks on the attention modules of
 the evicting layers (:func:`attention_modules`, :func:`captured_queries`).
@@ -17,8 +20,9 @@ the evicting layers (:func:`attention_modules`, :func:`captured_queries`).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -136,3 +140,84 @@ def evictable_only(importance: torch.Tensor, sinks: int, window: int) -> torch.T
     evictable = torch.zeros(n, dtype=torch.bool, device=importance.device)
     evictable[sinks : max(sinks, n - window)] = True
     return importance * evictable
+
+
+def eviction_points(forward_tokens: Sequence[int], max_cache_tokens: int, evict_every: int) -> list[int]:
+    """When a ``KVPCache(budget=1.0, max_cache_tokens=C, evict_every=E)`` evicts, for a sequence read
+    in forwards of ``forward_tokens`` tokens each (``[1] * T``: token by token; ``[prompt, chunk,
+    chunk, ...]``: a prompt, then chunks).
+
+    A head holding more than ``C + E`` entries at the end of a forward is trimmed to ``C``
+    (``KVPCache._kept_after``). Returns, for each eviction, the number of tokens read when it
+    happens (``t``: it ranks tokens ``0 .. t - 1``, and the queries at positions ``t ..`` read the
+    cache it leaves), increasing.
+    """
+    if max_cache_tokens < 1 or evict_every < 1:
+        raise ValueError(
+            f"max_cache_tokens and evict_every must be >= 1, got {max_cache_tokens} and {evict_every}"
+        )
+    if any(n < 1 for n in forward_tokens):
+        raise ValueError(f"forward_tokens must all be >= 1, got {list(forward_tokens)}")
+    points, held, read = [], 0, 0
+    for n in forward_tokens:
+        held, read = held + n, read + n
+        if held > max_cache_tokens + evict_every:
+            points.append(read)
+            held = max_cache_tokens
+    return points
+
+
+@torch.no_grad()
+def decode_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    evictions: Sequence[int],
+    sinks: int,
+    window: int,
+    horizon: int | None = None,
+    chunk: int = 128,
+) -> torch.Tensor:
+    """The decode-time target: what each token is worth to the cache each eviction leaves.
+
+    queries: ``[q_heads, F, d]`` post-RoPE queries at positions ``T - F .. T - 1``;
+    keys: ``[kv_heads, T, d]`` post-RoPE keys of the whole sequence (the uncapped model's);
+    evictions: tokens read at each eviction (:func:`eviction_points`), increasing, each in
+    ``[T - F, T]`` (every query that reads an evicted cache must be given);
+    sinks, window: the cache's ``sink_tokens`` and ``window_tokens``;
+    horizon: None, the queries from an eviction until the next one (the last: until ``T``); or
+    ``H >= 1``, the ``H`` queries after each eviction (fewer at the end of the sequence).
+
+    Returns ``importance`` ``[len(evictions), kv_heads, T]`` float32 on the keys' device:
+    ``importance[k, h, i]`` is the sum, over the queries ``t`` of eviction ``k``'s span (positions
+    ``evictions[k] ..``), of ``max_{g in G(h)} A_g[t, i]``, the model's full causal softmax
+    attention (not renormalized to the entries the cache holds). It is zero for tokens not read by
+    eviction ``k`` (``i >= evictions[k]``) and for the ones it protects: the first ``sinks`` and
+    the ``window`` last read (``evictable_only``). Queries go ``chunk`` at a time (never ``T x T``).
+    """
+    kv_heads, total, _ = keys.shape
+    first = total - queries.shape[1]
+    starts = list(evictions)
+    if any(b <= a for a, b in zip(starts, starts[1:], strict=False)) or (
+        starts and not first <= starts[0] <= starts[-1] <= total
+    ):
+        raise ValueError(
+            f"evictions must increase within [T - F, T] = [{first}, {total}] (the queries given), got {starts}"
+        )
+    if horizon is not None and horizon < 1:
+        raise ValueError(f"horizon must be None (until the next eviction) or >= 1 query, got {horizon}")
+    if horizon is None:
+        ends = [*starts[1:], total]
+    else:
+        ends = [min(start + horizon, total) for start in starts]
+    importance = torch.zeros(len(starts), kv_heads, total, device=keys.device)
+    for offset, attention in causal_attention_chunks(queries, keys, scaling, chunk):
+        per_query = attention.amax(dim=1)  # [kv_heads, chunk, T]
+        lo, hi = first + offset, first + offset + per_query.shape[1]
+        # Spans start and end in increasing order, so those overlapping [lo, hi) are contiguous.
+        for k in range(bisect.bisect_right(ends, lo), bisect.bisect_left(starts, hi)):
+            start, end = max(starts[k], lo), min(ends[k] + 1, hi)
+            importance[k, :, : starts[k]] += per_query[:, start - lo : end - lo, : starts[k]].sum(dim=1)
+    for k, read in enumerate(starts):
+        importance[k, :, :read] = evictable_only(importance[k, :, :read], sinks, window)
+    return importance

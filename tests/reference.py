@@ -23,7 +23,7 @@ from kvp_cache.compat import cache_argument, cache_kwarg
 class Snapshot:
     start: int  # logical index of the forward's first token
     length: int  # tokens in the forward
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (positions [b, h, S], valid [b, S])
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (positions [b, h, S], valid [b, (h,) S])
 
 
 class ForwardRecorder:
@@ -40,7 +40,7 @@ class ForwardRecorder:
         kept = {}
         for layer in self.cache.evicting_layers:
             if layer.is_initialized:
-                kept[layer.layer_idx] = (layer.positions.clone(), layer.valid.clone())
+                kept[layer.layer_idx] = tuple(t.clone() for t in layer.kept_positions())
         self.snapshots.append(Snapshot(self.cache.get_seq_length(), tokens.shape[1], kept))
 
     def remove(self) -> None:
@@ -168,9 +168,9 @@ def reference_logits(
             if layer_idx not in snap.kept:
                 continue
             kept_positions, valid = snap.kept[layer_idx]
-            member = torch.zeros(b, num_kv_heads, snap.start, dtype=torch.bool, device=device)
-            weights = valid[:, None, :].expand_as(kept_positions)
-            member.scatter_(-1, kept_positions, weights)
+            member = torch.zeros(b, num_kv_heads, snap.start, dtype=torch.long, device=device)
+            weights = valid[:, None, :] if valid.dim() == 2 else valid  # per row, or per head (ragged)
+            member = member.scatter_add_(-1, kept_positions, weights.expand_as(kept_positions).long()) > 0
             rows = slice(snap.start, snap.start + snap.length)
             mask[:, :, rows, : snap.start] = member[:, :, None, :] & real[:, None, None, : snap.start]
         return mask

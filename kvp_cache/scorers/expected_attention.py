@@ -21,10 +21,17 @@ class ExpectedAttentionScorer(Scorer):
     Queries seen: the Gaussian is fitted to every query of the evicting forward (the whole prompt
     at the prefill eviction); while decoding with ``max_cache_tokens``, to the queries of the
     tokens appended since the previous eviction.
+
+    Across heads (:meth:`cross_head_scores`, as kvpress pairs it with Ada-KV): the scores without
+    ``epsilon``. Each is the expected softmax attention of a future query of the KV head's group to
+    the entry (every head's total is 1), times ``||v||`` with ``use_vnorm``: then the expected size
+    of what the entry adds to the head's output, which compares across heads and layers as an
+    output contribution rather than as a share adding up to 1.
     """
 
     name = "expected_attention"
     needs_queries = True
+    comparable_across_heads = True
     query_window = -1
     n_future_positions: int = 512
     use_covariance: bool = True
@@ -54,6 +61,11 @@ class ExpectedAttentionScorer(Scorer):
         if self.use_vnorm:
             scores = scores * values.float().norm(dim=-1)
         return scores + self.epsilon
+
+    def cross_head_scores(self, scores, valid, layer_idx=0) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` float32 expected attention shares (times ``||v||`` with
+        ``use_vnorm``; see the class docstring), -inf where not ``valid``."""
+        return (scores.float() - self.epsilon).masked_fill(~valid, float("-inf"))
 
     def _future_rotation(self, queries, head_dim: int):
         """Linear map ``x -> mean_j R(p_last + j) x`` over the next positions, per batch row."""

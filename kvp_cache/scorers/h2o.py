@@ -20,10 +20,18 @@ class H2OScorer(Scorer):
     Queries seen: every query of the evicting forward (the whole prompt at the prefill eviction);
     while decoding with ``max_cache_tokens``, the queries of the tokens appended since the
     previous eviction. Attention is not accumulated across evictions.
+
+    Across heads (:meth:`cross_head_scores`): each entry's accumulated attention divided by the
+    number of queries that paid it, so an entry's share of a mean query's attention: every query's
+    attention sums to 1 over the entries, so every head's total is 1, in every layer. With
+    ``normalize`` the scores already are a mean over the queries that could see each entry (the
+    same divisor in every head and layer), so they are returned as they are; they compare across
+    heads and layers but no longer add up to 1.
     """
 
     name = "h2o"
     needs_queries = True
+    comparable_across_heads = True
     query_window = -1
     chunk_size: int = 256
     normalize: bool = False
@@ -47,3 +55,14 @@ class H2OScorer(Scorer):
             seen_by = valid.flip(-1).long().cumsum(-1).flip(-1).clamp_min(1)
             total = total / seen_by[:, None, :]
         return total
+
+    def cross_head_scores(self, scores, valid, layer_idx=0) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` float32 attention shares (see the class docstring), -inf where
+        not ``valid``."""
+        scores = scores.float().masked_fill(~valid, 0.0)
+        if not self.normalize:
+            # Every query's attention adds up to 1 in every head: a row's total over its heads,
+            # divided by their number, counts its queries (the same divisor for every layer).
+            queries = scores.sum(dim=(1, 2), keepdim=True) / scores.shape[1]
+            scores = scores / queries.clamp_min(torch.finfo(torch.float32).tiny)
+        return scores.masked_fill(~valid, float("-inf"))

@@ -25,11 +25,18 @@ class KVPScorer(Scorer):
     Each token is scored once, as it entered the cache, at its index among its row's real tokens
     (``per_token``); the cache keeps the scores, so decoding never rescores old tokens. Decoded
     tokens are scored only when an eviction needs them, each as a one-token row.
+
+    Across heads (:meth:`cross_head_scores`): ``weight * softmax(score / temperature)`` over each
+    head's valid entries, the policy's :class:`~kvp_cache.policy.Calibration` (fitted by ``python -m
+    train calibrate`` to each entry's share of the future attention, sinks and window excluded, per
+    future query); a policy without one uses temperature 1 and weight 1, the plain per-head softmax
+    that ListNet trains to match each head's normalized target.
     """
 
     name = "kvp"
     learned = True
     per_token = True
+    comparable_across_heads = True
     policy: KVPolicy | str | Path | None = None
     check_base_model: bool = True
 
@@ -60,3 +67,9 @@ class KVPScorer(Scorer):
             agents.to(keys.device)
         with torch.no_grad():
             return self.policy(layer_idx, keys, values, positions)
+
+    def cross_head_scores(self, scores, valid, layer_idx=0) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` float32 estimated shares of the future attention mass (see the
+        class docstring), -inf where not ``valid``."""
+        with torch.no_grad():
+            return self.policy.cross_head_scores(layer_idx, scores, valid)

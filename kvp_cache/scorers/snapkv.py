@@ -21,10 +21,17 @@ class SnapKVScorer(Scorer):
     prefill eviction); while decoding with ``max_cache_tokens``, those of the tokens appended
     since the previous eviction, at most ``window_size`` of them (``evict_every + 1`` with
     ``evict_every < window_size``).
+
+    Across heads (:meth:`cross_head_scores`, Ada-KV style): the scores themselves. Outside the
+    window each is the mean attention a window query of the KV head's group pays the entry
+    (pooled), so a head's entries share its window queries' attention: every head's total is 1,
+    split between the window, which it always keeps, and the rest, as that head attends. The
+    window keeps its ``float32`` maximum, so every allocation keeps it first, as SnapKV does.
     """
 
     name = "snapkv"
     needs_queries = True
+    comparable_across_heads = True
     window_size: int = 64
     kernel_size: int = 5
 
@@ -43,3 +50,8 @@ class SnapKVScorer(Scorer):
         scores = pooled.view(b, h, -1, n).mean(dim=2)
         scores[..., n - window :] = torch.finfo(scores.dtype).max
         return scores
+
+    def cross_head_scores(self, scores, valid, layer_idx=0) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` float32: the window queries' attention share (see the class
+        docstring), -inf where not ``valid``."""
+        return scores.float().masked_fill(~valid, float("-inf"))
