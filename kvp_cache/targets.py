@@ -216,7 +216,7 @@ def decode_attention(
         lo, hi = first + offset, first + offset + per_query.shape[1]
         # Spans start and end in increasing order, so those overlapping [lo, hi) are contiguous.
         for k in range(bisect.bisect_right(ends, lo), bisect.bisect_left(starts, hi)):
-            start, end = max(starts[k], lo), min(ends[k] + 1, hi)
+            start, end = max(starts[k], lo), min(ends[k], hi)
             importance[k, :, : starts[k]] += per_query[:, start - lo : end - lo, : starts[k]].sum(dim=1)
     for k, read in enumerate(starts):
         importance[k, :, :read] = evictable_only(importance[k, :, :read], sinks, window)
