@@ -132,8 +132,13 @@ def save_cache(cache: KVPCache, model: torch.nn.Module | None, save_directory: s
 def cache_layout(cache: KVPCache) -> dict:
     """The transformers cache layout: the layer class (and sliding window) of each index."""
     layers = []
+    if cache.settings.allocation != "uniform":
+        raise ValueError(
+            f"saving a cache with allocation={cache.settings.allocation!r} (heads of different lengths) is not "
+            "supported yet; save_pretrained needs allocation='uniform'"
+        )
     for i, layer in enumerate(cache.layers):
-        if not isinstance(layer, EvictingLayer) and type(layer) not in PLAIN_LAYERS:
+        if type(layer) is not EvictingLayer and type(layer) not in PLAIN_LAYERS:
             raise ValueError(
                 f"layer {i} of this cache is a {type(layer).__name__}; a saved cache holds EvictingLayer, "
                 f"{', '.join(cls.__name__ for cls in PLAIN_LAYERS)} layers only"

@@ -231,3 +231,11 @@ def test_bad_allocation_arguments_are_refused_early():
     with pytest.raises(ValueError, match=r"min_per_head \(9\) exceeds the per-head budget \(4 entries"):
         model(ids(length=40), **{cache_kwarg(model): cache})
     assert model.config._attn_implementation == "eager"  # restored after the failed forward
+
+
+def test_saving_a_ragged_cache_is_refused(tmp_path):
+    model = tiny_model("llama")
+    cache = make_cache(model)
+    model(ids(length=30), **{cache_kwarg(model): cache})
+    with pytest.raises(ValueError, match="allocation='head'.*not supported yet"):
+        cache.save_pretrained(tmp_path / "saved")
