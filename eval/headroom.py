@@ -26,14 +26,18 @@ Validation data only, never the benchmark's held-out corpora (:mod:`eval.corpora
   they all find the needle.
 
 ``--scores`` picks what drives the allocations (:data:`SCORE_KINDS`, :func:`entry_scores`): the
-oracle (default), or the learned policy's or SnapKV's scores on the same prefill, to see whether
-the oracle's gain from a global ranking carries over to scores a cache can compute. ``kvp``
-softmaxes the policy's scores over each head's prompt (its ListNet training makes that each
-entry's estimated share of its head's importance); ``kvp_raw`` leaves them raw.
+oracle (default), or a scorer's scores on the same prefill, to see whether the oracle's gain from a
+global ranking carries over to scores a cache can compute. ``kvp`` softmaxes the policy's scores
+over each head's prompt (its ListNet training makes that each entry's estimated share of its head's
+importance); ``kvp_raw`` leaves them raw; ``kvp_calibrated`` and the baselines use the values the
+cache's adaptive allocation ranks, :meth:`Scorer.cross_head_scores` (for ``kvp``, the policy's
+calibration, ``python -m train calibrate``).
 
-Records go to ``<out>/headroom_<model>[_<scores>].jsonl`` as they finish (a rerun reuses those
-made with the same settings and tokens); the summary to ``headroom_<model>[_<scores>].{json,md}``,
-with provenance (the oracle's files carry no suffix).
+Records go to ``<out>/headroom_<model>[_<scores>][_<tag>].jsonl`` as they finish (a rerun reuses
+those made with the same settings and tokens); the summary to ``headroom_<model>[_<scores>][_<tag>]
+.{json,md}``, with provenance (the oracle's files carry no suffix; ``--tag`` keeps runs of different
+policies apart). ``--compare`` instead regenerates the tables that put several summaries side by
+side in a hand-written report (:func:`compare_tables`).
 """
 
 from __future__ import annotations
@@ -46,8 +50,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -71,12 +74,12 @@ from kvp_cache.compat import evicting_layer_indices
 from kvp_cache.models import load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import Prefill, prefill
-from kvp_cache.provenance import portable_config, provenance
+from kvp_cache.provenance import portable_argument, portable_config, provenance
 from kvp_cache.scorers import Scorer, make_scorer
 from kvp_cache.tables import markdown_table
-from train.collect import CHARS_PER_TOKEN_READ, greedy_continue, parse_windows, uses_chat
-from train.corpora import documents
-from train.data import Example, interleave, is_held_out_document, synthetic_examples, text_examples
+from train.calibrate import corpus_windows
+from train.collect import greedy_continue, parse_windows, uses_chat
+from train.data import Example, interleave, synthetic_examples
 
 HEADROOM_ATTENTION = "kvp_headroom"
 PERPLEXITY = "perplexity"
@@ -90,11 +93,26 @@ SCORE_KINDS = {
     "kvp": "the learned policy's scores, softmaxed over each head's prompt tokens (each entry's "
     "estimated share of its head's future importance, what ListNet trains)",
     "kvp_raw": "the learned policy's raw scores (no normalization across heads)",
+    "kvp_calibrated": "the learned policy's scores made comparable across heads by its calibration "
+    "(weight * softmax(score / temperature) per head: each entry's estimated share of the future "
+    "attention, KVPolicy.cross_head_scores)",
     "snapkv": "SnapKV's scores (the last prompt queries' pooled attention: softmax mass per head)",
+    "tova": "TOVA's scores (the last prompt query's attention, averaged over each layer's heads)",
+    "h2o": "H2O's scores (the prompt queries' accumulated attention, per query)",
+    "expected_attention": "Expected Attention's scores (expected future attention times ||v||)",
 }
 """What drives the allocation (``--scores``): every kind is computed on the same prefill."""
-SCORER_OF = {"kvp": "kvp", "kvp_raw": "kvp", "snapkv": "snapkv"}
-"""The registered method behind each non-oracle score kind."""
+SCORER_OF = {
+    "kvp": "kvp",
+    "kvp_raw": "kvp",
+    "kvp_calibrated": "kvp",
+    "snapkv": "snapkv",
+    "tova": "tova",
+    "h2o": "h2o",
+    "expected_attention": "expected_attention",
+}
+"""The registered method behind each non-oracle score kind; the kinds other than ``kvp`` and
+``kvp_raw`` rank the scorer's :meth:`~kvp_cache.scorers.Scorer.cross_head_scores`."""
 
 
 @dataclass
@@ -124,6 +142,7 @@ class HeadroomConfig:
     seed: int = 0
     scores: str = ORACLE
     policy: str = "smollm2-135m-instruct"
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if self.scores not in SCORE_KINDS:
@@ -150,15 +169,16 @@ class HeadroomConfig:
             "essays_dir": Path(self.essays_dir).name if self.essays_dir else None,
         }
         if self.scores != ORACLE:  # added only here, so the oracle's existing records stay valid
-            learned = SCORER_OF[self.scores] == "kvp"
-            keys.update(
-                scores=self.scores, policy=load_policy(self.policy).weights_sha256 if learned else None
-            )
+            policy = load_policy(self.policy) if SCORER_OF[self.scores] == "kvp" else None
+            keys.update(scores=self.scores, policy=policy.weights_sha256 if policy else None)
+            if self.scores == "kvp_calibrated":  # likewise for the kvp runs made before calibration
+                keys.update(calibration=policy.calibration_sha256)
         return digest(keys)
 
     def stem(self) -> str:
-        """The results' file name without suffix: ``headroom_<model>[_<scores>]``."""
-        return f"headroom_{self.model}" + ("" if self.scores == ORACLE else f"_{self.scores}")
+        """The results' file name without suffix: ``headroom_<model>[_<scores>][_<tag>]``."""
+        scores = "" if self.scores == ORACLE else f"_{self.scores}"
+        return f"headroom_{self.model}{scores}" + (f"_{self.tag}" if self.tag else "")
 
 
 def budget_key(mode: str, budget: Budget) -> str:
@@ -220,18 +240,10 @@ def prompt_mask(model, kept: dict[int, torch.Tensor]) -> Iterator[None]:
 def held_out_windows(config: HeadroomConfig, tokenizer, name: str, count: int) -> list[Example]:
     """``count`` disjoint windows of corpus ``name``'s held-out documents, cut as ``train collect``
     cuts its held-out windows (:func:`train.collect.text_windows`)."""
-    length = config.context_tokens + config.continuation_tokens
-    held = partial(is_held_out_document, val_fraction=config.val_fraction)
-    texts = documents(
-        name, config.seed, count * length * CHARS_PER_TOKEN_READ, essays_dir=config.essays_dir, keep=held
-    )
-    span = (config.context_tokens, config.context_tokens)
-    future = (config.continuation_tokens, config.continuation_tokens)
-    try:
-        examples = text_examples(tokenizer, texts, count, span, future, config.seed, f"{name}-held-out")
-    except ValueError as error:
-        raise ValueError(f"{name}: {error} (its held-out documents are all there is)") from None
-    return [replace(e, source=name) for e in examples]
+    return corpus_windows(
+        tokenizer, name, count, config.context_tokens, config.continuation_tokens, config.seed,
+        config.val_fraction, held_out=True, essays_dir=config.essays_dir,
+    )  # fmt: skip
 
 
 def needle_examples(config: HeadroomConfig, tokenizer, protocol: str) -> list[Example]:
@@ -301,8 +313,13 @@ def entry_scores(
             if scorer.needs_queries
             else None
         )
-        raw = scorer.score(states.keys, states.values, positions, queries, layer)[0].float()
-        scores[layer] = raw.softmax(-1) if kind == "kvp" else raw
+        raw = scorer.score(states.keys, states.values, positions, queries, layer).float()
+        if kind == "kvp":
+            scores[layer] = raw[0].softmax(-1)
+        elif kind == "kvp_raw":
+            scores[layer] = raw[0]
+        else:
+            scores[layer] = scorer.cross_head_scores(raw, torch.ones_like(raw, dtype=torch.bool), layer)[0]
     return scores
 
 
@@ -437,8 +454,11 @@ def run_headroom(
         records.append(record)
     policy = scorer.policy if config.scores != ORACLE and SCORER_OF[config.scores] == "kvp" else None
     dtype = str(next(model.parameters()).dtype)
+    record = provenance(config.model, dtype, "cpu", policy=policy, command=command)
+    if config.scores == "kvp_calibrated":
+        record["policy"]["calibration_sha256"] = policy.calibration_sha256
     result = {
-        "provenance": provenance(config.model, dtype, "cpu", policy=policy, command=command),
+        "provenance": record,
         "config": portable_config(config),
         "modes": list(MODES),
         "reference": REFERENCE,
@@ -606,6 +626,115 @@ def markdown_report(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- several summaries side by side -------------------------------------------------------------
+
+GENERATED_BEGIN = "<!-- tables generated by: {command} -->"
+GENERATED_END = "<!-- end of generated tables -->"
+
+
+def compare_tables(summaries: dict[str, dict]) -> str:
+    """Markdown tables putting headroom summaries (``{label: headroom_*.json content}``) side by side:
+    text NLL increase per allocation, allocation minus ``uniform`` paired, where ``head`` puts the
+    entries, and the needles' paired differences of the summaries that have needles."""
+    first = next(iter(summaries.values()))
+    budgets = first["config"]["text_budgets"]
+    text, paired = [], []
+    for label, result in summaries.items():
+        rows = {(r["mode"], r["budget"]): r for r in result["rows"] if _text_all(r)}
+        differences = {(r["mode"], r["budget"]): r for r in result["paired"] if _text_all(r)}
+        text += [[label, mode, *[cell(rows.get((mode, b))) for b in budgets]] for mode in MODES]
+        paired += [
+            [label, f"{mode} − {REFERENCE}", *[cell(differences.get((mode, b))) for b in budgets]]
+            for mode in MODES
+            if mode != REFERENCE
+        ]
+    full = first["rows"][[_text_all(r) and r["mode"] == FULL for r in first["rows"]].index(True)]
+    layers = first["evicting_layers"]
+    third = max(3, len(layers) // 3)
+    spans = [(f"layers {layers[3]}-{layers[third]} (mean)", slice(3, third + 1))]
+    spans.append((f"layers {layers[third + 1]}-{layers[-1]} (mean)", slice(third + 1, None)))
+    share = [
+        [label, f"{float(b):g}", ", ".join(f"{v:.3f}" for v in values[:3])]
+        + [f"{sum(values[part]) / len(values[part]):.3f}" for _, part in spans]
+        for b in [str(b) for b in budgets]
+        for label, result in summaries.items()
+        if (values := result["head_layer_share"].get(b))
+    ]
+    lines = [
+        f"## Text: NLL increase per token over the full cache (n = {full['n']}, bootstrap 95% CI; "
+        f"full cache NLL {full['mean']:.3f})",
+        "",
+        markdown_table(["scores", "allocation", *[f"@{b:g}" for b in budgets]], text),
+        "",
+        f"## Paired on the same windows: allocation minus `{REFERENCE}` (negative: the allocation loses less)",
+        "",
+        markdown_table(["scores", "difference", *[f"@{b:g}" for b in budgets]], paired),
+        "",
+        "## Where `head` puts the entries: share kept per layer (mean over the windows)",
+        "",
+        markdown_table(
+            ["scores", "budget", ", ".join(f"layer {layer}" for layer in layers[:3]), *[n for n, _ in spans]],
+            share,
+        ),
+    ]
+    needles = [
+        (label, result)
+        for label, result in summaries.items()
+        if any(r["protocol"] != PERPLEXITY for r in result["rows"])
+    ]
+    if needles:
+        needle_budgets = needles[0][1]["config"]["needle_budgets"]
+        body = [
+            [label, f"{protocol} {'accuracy' if metric == 'scores' else 'answer NLL'}"]
+            + [cell(_paired(result, metric, protocol, "head", b)) for b in needle_budgets]
+            for label, result in needles
+            for protocol in result["config"]["protocols"]
+            for metric in ("scores", "nll")
+        ]
+        lines += [
+            "",
+            f"## Needles: `head` − `{REFERENCE}` (accuracy: positive = more answers; answer NLL: negative = "
+            "loses less)",
+            "",
+            markdown_table(["scores", "cell", *[f"@{b:g}" for b in needle_budgets]], body),
+        ]
+    return "\n".join(lines)
+
+
+def _text_all(row: dict) -> bool:
+    return row["metric"] == "nll" and row["protocol"] == PERPLEXITY and row["source"] == ALL
+
+
+def _paired(result: dict, metric: str, protocol: str, mode: str, budget) -> dict | None:
+    return next(
+        (
+            r
+            for r in result["paired"]
+            if (r["metric"], r["protocol"], r["source"], r["mode"], r["budget"])
+            == (metric, protocol, ALL, mode, budget)
+        ),
+        None,
+    )
+
+
+def rewrite_tables(report: Path, labelled: dict[str, str]) -> None:
+    """Replace the generated block of ``report`` (between its :data:`GENERATED_BEGIN` and
+    :data:`GENERATED_END` lines) by :func:`compare_tables` of the ``{label: summary path}``."""
+    text = report.read_text(encoding="utf-8")
+    begin = GENERATED_BEGIN.split("{command}")[0]
+    if begin not in text or GENERATED_END not in text:
+        raise ValueError(f"{report} has no generated block: add the lines {begin!r}... and {GENERATED_END!r}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(GENERATED_END, 1)
+    summaries = {
+        label: json.loads(Path(path).read_text(encoding="utf-8")) for label, path in labelled.items()
+    }
+    specs = " ".join(f"{label}={portable_argument(path)}" for label, path in labelled.items())
+    command = f"python -m eval.headroom --report {portable_argument(str(report))} --compare {specs}"
+    block = GENERATED_BEGIN.format(command=command) + "\n\n" + compare_tables(summaries) + "\n\n"
+    report.write_text(head + block + GENERATED_END + tail, encoding="utf-8")
+
+
 def total_seconds(records: list[dict]) -> float:
     return sum(r["seconds"] for r in records)
 
@@ -655,12 +784,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policy", default=defaults.policy, help="the learned policy of kvp and kvp_raw (name or directory)"
     )
+    parser.add_argument("--tag", default="", help="suffix of the results' file names")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="LABEL=SUMMARY",
+        default=None,
+        help="instead of measuring: regenerate the tables of --report from these headroom_*.json summaries",
+    )
+    parser.add_argument("--report", default=None, help="the report whose generated tables --compare rewrites")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare:
+        if not args.report:
+            raise SystemExit("--compare needs --report (the markdown file whose tables it rewrites)")
+        labelled = dict(spec.split("=", 1) for spec in args.compare)
+        rewrite_tables(Path(args.report), labelled)
+        return 0
     torch.set_num_threads(args.threads)
     values = {k: v for k, v in vars(args).items() if k in HeadroomConfig.__dataclass_fields__}
     config = HeadroomConfig(**{**values, "windows": parse_windows(args.windows)})

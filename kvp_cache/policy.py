@@ -100,12 +100,12 @@ def calibrated_shares(scores: Tensor, valid: Tensor, temperature: Tensor, weight
     """``weight * softmax(scores / temperature)`` over each head's valid entries: float32, -inf where
     not valid.
 
-    scores, valid: ``[..., kv_heads, seq]``; temperature, weight: ``[kv_heads]`` (differentiable, so
-    ``train calibrate`` fits them through this very function).
+    scores, valid: ``[..., kv_heads, seq]``; temperature, weight: ``[kv_heads]``, or ``[layers,
+    kv_heads]`` for scores ``[..., layers, kv_heads, seq]``.
     """
-    logits = (scores.float() / temperature[:, None]).masked_fill(~valid, float("-inf"))
+    logits = (scores.float() / temperature[..., None]).masked_fill(~valid, float("-inf"))
     # A head without valid entries softmaxes to NaN; the fill below replaces all of it.
-    return (logits.softmax(-1) * weight[:, None]).masked_fill(~valid, float("-inf"))
+    return (logits.softmax(-1) * weight[..., None]).masked_fill(~valid, float("-inf"))
 
 
 class KVPolicy(

@@ -1,4 +1,4 @@
-"""``python -m train {collect,fit,evaluate,downstream,push,reproduce} --help``."""
+"""``python -m train {collect,fit,evaluate,calibrate,downstream,push,reproduce} --help``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> None:
-    from train import collect, downstream, evaluate, fit, push, reproduce
+    from train import calibrate, collect, downstream, evaluate, fit, push, reproduce
 
     parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> None:
         ("collect", collect, "run a model over prompts and store K/V + future-attention importance"),
         ("fit", fit, "train a KVPolicy on collected traces (RL or a supervised objective)"),
         ("evaluate", evaluate, "eviction-cost curves of a policy and every baseline on held-out traces"),
+        ("calibrate", calibrate, "fit a policy's per-head scale so its scores rank entries across heads"),
         ("downstream", downstream, "loss after compression on a collection's held-out samples, per source"),
         ("push", push, "publish a trained policy directory to the Hugging Face Hub"),
         ("reproduce", reproduce, "collect + fit + evaluate a shipped policy from nothing (--model)"),
