@@ -21,13 +21,8 @@ def needle_prompt(smollm2, prose_dir):
     return sample, tokenizer(prefix + suffix, return_tensors="pt", add_special_tokens=False).input_ids
 
 
-@pytest.mark.parametrize("method", ["knorm", "snapkv"])
-@torch.no_grad()
-def test_generate_matches_reference_at_2k_tokens(smollm2, needle_prompt, method):
-    model, _ = smollm2
-    _, prompt = needle_prompt
-    assert 1800 <= prompt.shape[1] <= 2300
-    cache = KVPCache(model, method=method, budget=0.25, track_positions=True)
+def check_against_reference(model, prompt, cache) -> None:
+    """Greedy 4 tokens through ``cache``: their logits equal the masked reference's."""
     recorder = ForwardRecorder(model, cache)
     out = model.generate(
         prompt,
@@ -42,8 +37,34 @@ def test_generate_matches_reference_at_2k_tokens(smollm2, needle_prompt, method)
     ref = reference_logits(model, out.sequences, recorder.snapshots)
     n = prompt.shape[1]
     torch.testing.assert_close(logits, ref[:, n - 1 : n + 3], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["knorm", "snapkv"])
+@torch.no_grad()
+def test_generate_matches_reference_at_2k_tokens(smollm2, needle_prompt, method):
+    model, _ = smollm2
+    _, prompt = needle_prompt
+    n = prompt.shape[1]
+    assert 1800 <= n <= 2300
+    cache = KVPCache(model, method=method, budget=0.25, track_positions=True)
+    check_against_reference(model, prompt, cache)
     assert cache.evicting_layers[0].keys.shape[-2] == -(-n // 4) + 3
     assert len(cache.evicting_layers) == 30
+
+
+@pytest.mark.parametrize("allocation", ["head", "layer"])
+@torch.no_grad()
+def test_adaptive_shipped_policy_matches_reference_at_2k_tokens(smollm2, needle_prompt, allocation):
+    model, _ = smollm2
+    _, prompt = needle_prompt
+    n = prompt.shape[1]
+    cache = KVPCache.from_pretrained(
+        "smollm2-135m-instruct", model=model, budget=0.1, allocation=allocation, track_positions=True
+    )
+    check_against_reference(model, prompt, cache)
+    counts = [c for layer in cache.evicting_layers for c in (k.shape[1] for k in layer.keys)]
+    assert len(counts) == 90 and sum(counts) == 90 * (-(-n // 10) + 3)  # equal total to uniform's
+    assert max(counts) > min(counts) + 10  # the policy really moved entries between heads
 
 
 @torch.no_grad()
