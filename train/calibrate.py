@@ -50,7 +50,7 @@ from kvp_cache.compat import evicting_layer_indices
 from kvp_cache.models import load_model
 from kvp_cache.policy import Calibration, KVPolicy, load_policy
 from kvp_cache.prefill import prefill
-from kvp_cache.provenance import portable_command, portable_config, provenance
+from kvp_cache.provenance import portable_argument, portable_command, portable_config, provenance
 from kvp_cache.scorers import make_scorer
 from kvp_cache.tables import markdown_table
 from kvp_cache.targets import evictable_only
@@ -352,7 +352,7 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
             "check_loss": round(check_loss, 6),
             "temperature": temperature.tolist(),
             "weight": weight.tolist(),
-            "policy_dir": str(out / f"policy-{variant}"),
+            "policy_dir": portable_argument(str(out / f"policy-{variant}")),
         }
     softmax_loss = loss_of(config.loss, scores[check_at].log_softmax(-1), target[check_at], evictable).item()
     lost = lost_attention(
