@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "benchmark",
-        help="the canonical report: needles (both protocols) and held-out real text, CIs, resumable",
+        help="the canonical report: needles (both protocols), held-out real text compressed and read under "
+        "a cap, CIs, resumable",
     )
     add_common(bench)
     bench.set_defaults(policy=SHIPPED)
@@ -128,6 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--text-windows", type=comma_list(int), default=None,
                        help="windows per corpus at each prefix length (default: 50 at 2K, 20 above)")  # fmt: skip
     bench.add_argument("--continuation-tokens", type=int, default=128)
+    bench.add_argument("--decode-caps", type=comma_list(parse_budget), default=None,
+                       help="decode protocol: max_cache_tokens, token counts or shares of its window "
+                       "(default: 256,512,1024,0.1,0.25); empty string for no decode protocol")  # fmt: skip
+    bench.add_argument(
+        "--decode-prompt-tokens", type=int, default=None, help="decode protocol prompt (default 1024)"
+    )
+    bench.add_argument("--decode-tokens", type=int, default=None,
+                       help="decode protocol: tokens read under the cap after the prompt, scored (default 2048)")  # fmt: skip
+    bench.add_argument(
+        "--decode-windows", type=int, default=None, help="decode windows per corpus (default 20)"
+    )
+    bench.add_argument("--decode-chunk-tokens", type=int, default=None,
+                       help="decode protocol: tokens per forward after the prompt (default 16)")  # fmt: skip
+    bench.add_argument(
+        "--evict-every", type=int, default=None, help="the capped caches' evict_every (default 64)"
+    )
+    bench.add_argument("--oracle-horizon", type=int, default=None,
+                       help="queries after each eviction the capped oracle reads (default: until the next one)")  # fmt: skip
     bench.add_argument(
         "--prefill-chunk",
         type=int,

@@ -1,11 +1,16 @@
 """``python -m eval benchmark``: the canonical report, ``eval/results/<model>/benchmark.json``.
 
-Three protocols, every method at every budget, plus the full cache and the oracle (:mod:`eval.oracle`):
+Four protocols, every method at every budget (cap), plus the full cache and the oracle (:mod:`eval.oracle`):
 
 - ``question_in``: a RULER-style needle prompt is compressed whole, question included (the paper's);
 - ``question_after``: the context is compressed, then the question is asked on the compressed cache;
 - ``perplexity``: a held-out real-text prefix (:mod:`eval.corpora`) is compressed and the next
-  ``continuation_tokens`` tokens are scored (:mod:`eval.realtext`).
+  ``continuation_tokens`` tokens are scored (:mod:`eval.realtext`);
+- ``decode``: a held-out real-text prompt, then ``decode_tokens`` teacher-forced tokens, all read
+  through a cache capped at ``max_cache_tokens`` (each of ``decode_caps``) in chunks of
+  ``decode_chunk_tokens``, the cache evicting between chunks as while decoding; the NLL of the
+  read tokens is scored. Methods that cannot rank decoded tokens (``scores_decoded_tokens``) sit
+  it out; its oracle is :class:`eval.oracle.CappedOracleScorer`.
 
 Needle samples come from the ``test`` split of :mod:`kvp_cache.ruler`, so none of them, nor their
 needles, depths or haystack windows, was seen in training. Besides the ``niah_*`` tasks, every other
@@ -36,19 +41,21 @@ from tqdm import tqdm
 
 from eval import realtext
 from eval.corpora import CORPORA, corpus
-from eval.oracle import ORACLE, oracle_scorer
+from eval.oracle import ORACLE, capped_oracle_scorer, future_states, oracle_scorer
 from eval.stats import bootstrap_interval, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encode_prompt
-from kvp_cache import ruler
+from kvp_cache import KVPCache, ruler
 from kvp_cache.budget import Budget, validate_budget
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
-from kvp_cache.scorers import Scorer, make_scorer, methods
+from kvp_cache.scorers import SCORERS, Scorer, make_scorer, methods
+from kvp_cache.targets import eviction_points
 
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
 NEEDLE_PROTOCOLS = ("question_in", "question_after")
 PERPLEXITY = "perplexity"
+DECODE = "decode"
 TEMPLATE_TOKENS = 64
 """Room left in ``context_tokens`` for the chat template and answer prefix around a sample."""
 ALL = "all"
@@ -61,6 +68,11 @@ class BenchmarkConfig:
 
     samples: needle samples per task at each context length (``contexts`` must all be keys);
     text_windows: real-text windows per corpus at each prefix length (``text_contexts`` keys).
+    decode_caps: the ``decode`` protocol's ``max_cache_tokens``, each an int (tokens) or a float in
+    (0, 1] (that share of ``decode_prompt_tokens + decode_tokens``, rounded); empty: no ``decode``.
+    decode_windows: its windows per corpus; decode_chunk_tokens: tokens per forward after the
+    prompt; evict_every: the capped cache's slack; oracle_horizon: queries after each eviction the
+    capped oracle reads (None: until the next eviction).
     """
 
     methods: list[str]
@@ -77,6 +89,13 @@ class BenchmarkConfig:
     text_contexts: list[int] = field(default_factory=lambda: [2048, 4096])
     text_windows: dict[int, int] = field(default_factory=lambda: {2048: 50, 4096: 20})
     continuation_tokens: int = 128
+    decode_caps: list[Budget] = field(default_factory=lambda: [256, 512, 1024, 0.1, 0.25])
+    decode_prompt_tokens: int = 1024
+    decode_tokens: int = 2048
+    decode_windows: int = 20
+    decode_chunk_tokens: int = 16
+    evict_every: int = 64
+    oracle_horizon: int | None = None
     oracle: bool = True
     essays_dir: str | None = None
     seed: int = 0
@@ -115,6 +134,31 @@ class BenchmarkConfig:
             raise ValueError(f"min_full_score must be in [0, 1], got {self.min_full_score}")
         if self.continuation_tokens < 1:
             raise ValueError(f"continuation_tokens must be >= 1, got {self.continuation_tokens}")
+        self.validate_decode()
+
+    def validate_decode(self) -> None:
+        self.decode_caps = [validate_budget(cap) for cap in self.decode_caps]
+        for name, minimum in (
+            ("decode_prompt_tokens", 1),
+            ("decode_tokens", 2),
+            ("decode_windows", 1),
+            ("decode_chunk_tokens", 1),
+            ("evict_every", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if self.oracle_horizon is not None and self.oracle_horizon < 1:
+            raise ValueError(
+                f"oracle_horizon must be None (until the next eviction) or >= 1, got {self.oracle_horizon}"
+            )
+        protected = self.sink_tokens + self.window_tokens
+        small = [cap for cap in self.decode_caps if self.cap_tokens(cap) < protected]
+        if small:
+            raise ValueError(
+                f"decode_caps {small} keep fewer than sink_tokens + window_tokens = {protected} tokens "
+                f"(shares are of {self.decode_prompt_tokens + self.decode_tokens} tokens)"
+            )
 
     def row_methods(self) -> list[str]:
         """The compressed methods of every cell, the oracle last."""
@@ -123,6 +167,30 @@ class BenchmarkConfig:
     def grid(self) -> list[tuple[str, Budget | None]]:
         """Every row of a cell: the full cache, then each (method, budget)."""
         return [(FULL, None)] + [(m, b) for m in self.row_methods() for b in self.budgets]
+
+    def capped_methods(self) -> list[str]:
+        """The methods of the ``decode`` protocol: those that can rank decoded tokens."""
+        return [m for m in self.methods if SCORERS[m].scores_decoded_tokens]
+
+    def decode_grid(self) -> list[tuple[str, Budget | None]]:
+        """Every row of a ``decode`` cell: the uncapped cache, then each (method, cap), oracle last."""
+        capped = self.capped_methods() + ([ORACLE] if self.oracle else [])
+        return [(FULL, None)] + [(m, cap) for m in capped for cap in self.decode_caps]
+
+    def cap_tokens(self, cap: Budget) -> int:
+        """``max_cache_tokens`` of a cap: a token count, or a share of the ``decode`` window."""
+        return cap if isinstance(cap, int) else round(cap * (self.decode_prompt_tokens + self.decode_tokens))
+
+    def decode_fields(self) -> dict:
+        """What every ``decode`` record depends on besides the fingerprint and its cell (records
+        carry them; :class:`Shard` reads no record made with others)."""
+        return {
+            "windows": realtext.WINDOWS,
+            "decode_tokens": self.decode_tokens,
+            "chunk_tokens": self.decode_chunk_tokens,
+            "evict_every": self.evict_every,
+            "oracle_horizon": self.oracle_horizon,
+        }
 
     def fingerprint(self, policy_sha256: str | None) -> Fingerprint:
         """What the shard records of a run with the policy of ``policy_sha256`` must match.
@@ -146,9 +214,11 @@ class BenchmarkConfig:
         return Fingerprint(digest(keys), policy_sha256, digest(legacy))
 
 
-def shard(out: Path, fingerprint: Fingerprint, *parts: object) -> Shard:
-    """The shard of cell ``parts`` (protocol, task or corpus, length) under ``out/shards``."""
-    fields = {"windows": realtext.WINDOWS} if parts[0] == PERPLEXITY else None
+def shard(out: Path, fingerprint: Fingerprint, *parts: object, fields: dict | None = None) -> Shard:
+    """The shard of cell ``parts`` (protocol, task or corpus, length) under ``out/shards``; ``fields``:
+    what its records must carry (real text: the window placement, :data:`eval.realtext.WINDOWS`)."""
+    if parts[0] == PERPLEXITY:
+        fields = {"windows": realtext.WINDOWS}
     return Shard(Path(out) / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint, fields)
 
 
@@ -190,16 +260,16 @@ scores; real text: nll)."""
 
 
 def missing_rows(
-    config: BenchmarkConfig, fingerprint: Fingerprint, record: dict | None
+    grid: list[tuple[str, Budget | None]], fingerprint: Fingerprint, record: dict | None
 ) -> list[tuple[str, Budget | None]]:
-    """The rows of ``config.grid()`` that ``record`` lacks, or holds from another policy (learned rows)."""
+    """The rows of ``grid`` (a cell's) that ``record`` lacks, or holds from another policy (learned rows)."""
     if record is None:
-        return config.grid()
+        return list(grid)
     held = {key for name in ANSWER_FIELDS for key in record.get(name, {})}
     fresh = record.get("policy") == fingerprint.policy
     return [
         (method, budget)
-        for method, budget in config.grid()
+        for method, budget in grid
         if (key := method_key(method, budget)) not in held or (is_learned(key) and not fresh)
     ]
 
@@ -276,13 +346,15 @@ class Shard:
 
 @dataclass
 class Cell:
-    """One (protocol, task or corpus, length) cell: its shard, sample count, the latest record of
-    each sample, and ``compute(index, rows)`` -> the answers of ``rows`` (``(method, budget)``
-    pairs of the grid) for one sample, with the sample's other fields (without index and timings)."""
+    """One (protocol, task or corpus, length) cell: its shard, sample count, ``compute(index, rows)``
+    -> the answers of ``rows`` (``(method, budget)`` pairs of ``grid``, the cell's rows) for one
+    sample, with the sample's other fields (without index and timings), and the latest record of
+    each sample."""
 
     shard: Shard
     count: int
     compute: Callable[[int, list[tuple[str, Budget | None]]], dict]
+    grid: list[tuple[str, Budget | None]]
     records: dict[int, dict] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -319,8 +391,8 @@ class Benchmark:
         self.fingerprint = config.fingerprint(sha256)
         self.haystack = ruler.load_haystack(config.essays_dir)
 
-    def shard(self, *parts: object) -> Shard:
-        return shard(self.out, self.fingerprint, *parts)
+    def shard(self, *parts: object, fields: dict | None = None) -> Shard:
+        return shard(self.out, self.fingerprint, *parts, fields=fields)
 
     def prefill(self, input_ids: torch.Tensor):
         return prefill(self.model, input_ids, chunk_tokens=self.prefill_chunk)
@@ -345,6 +417,8 @@ class Benchmark:
             ]
         for context in self.config.text_contexts:
             cells += [self.text_cell(name, context) for name in self.config.corpora]
+        if self.config.decode_caps:
+            cells += [self.decode_cell(name) for name in self.config.corpora]
         for cell in cells:
             cell.shard.upgrade()
         work = [
@@ -352,7 +426,7 @@ class Benchmark:
             for index in range(max((cell.count for cell in cells), default=0))
             for cell in cells
             if index < cell.count
-            and (rows := missing_rows(self.config, self.fingerprint, cell.records.get(index)))
+            and (rows := missing_rows(cell.grid, self.fingerprint, cell.records.get(index)))
         ]
         top_ups = sum(index in cell.records for cell, index, _ in work)
         for cell, index, rows in tqdm(work, desc=f"benchmark ({top_ups} top-ups)", unit="sample"):
@@ -413,7 +487,7 @@ class Benchmark:
                 "scores": {key: ruler.score(sample, text) for key, text in predictions.items()},
             }
 
-        return Cell(self.shard(protocol, task, context), len(samples), compute)
+        return Cell(self.shard(protocol, task, context), len(samples), compute, self.config.grid())
 
     def text_cell(self, name: str, context: int) -> Cell:
         stream = realtext.corpus_tokens(name, self.tokenizer)
@@ -440,7 +514,60 @@ class Benchmark:
                 ),
             }
 
-        return Cell(self.shard(PERPLEXITY, name, context), count, compute)
+        return Cell(self.shard(PERPLEXITY, name, context), count, compute, self.config.grid())
+
+    def decode_cell(self, name: str) -> Cell:
+        """The ``decode`` cell of corpus ``name``: per window, the prompt is prefilled once; each
+        (method, cap) gets a capped cache of that prefill (``KVPCache.from_prefill``, budget 1.0, so
+        only the cap evicts) and reads the rest in chunks; the uncapped row reads it the same way."""
+        config = self.config
+        prompt_tokens = config.decode_prompt_tokens
+        stream = realtext.corpus_tokens(name, self.tokenizer)
+        windows = realtext.windows(stream, prompt_tokens + config.decode_tokens, config.decode_windows)
+        fields = config.decode_fields()
+        # The forwards that read a window: the prompt, then the chunks of every token but the last.
+        chunks = range(0, config.decode_tokens - 1, config.decode_chunk_tokens)
+        forwards = [prompt_tokens] + [
+            min(config.decode_chunk_tokens, config.decode_tokens - 1 - c) for c in chunks
+        ]
+
+        @torch.no_grad()
+        def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
+            window = windows[index].to(self.device)
+            prompt, continuation = window[:, :prompt_tokens], window[:, prompt_tokens:]
+            prefilled = self.prefill(prompt)
+            states = None
+
+            def nll(cache) -> float:
+                return realtext.continuation_nll(
+                    self.model, prefilled, cache, continuation, chunk_tokens=config.decode_chunk_tokens
+                ).item()
+
+            answers = {FULL: nll(copy.deepcopy(prefilled.cache))} if (FULL, None) in rows else {}
+            capped = [(method, cap) for method, cap in rows if method != FULL]
+            for method, cap in tqdm(capped, desc=f"decode {name} window {index}", unit="cache", leave=False):
+                options = self.decoder.cache_options(method, 1.0)
+                tokens = config.cap_tokens(cap)
+                if method == ORACLE:
+                    states = states or future_states(self.model, prefilled, ids(continuation[:, :-1]))
+                    oracle = capped_oracle_scorer(
+                        states,
+                        eviction_points(forwards, tokens, config.evict_every),
+                        config.sink_tokens,
+                        config.window_tokens,
+                        config.oracle_horizon,
+                    )
+                    options.update(method=oracle, track_positions=True)
+                cache = KVPCache.from_prefill(
+                    prefilled, self.model, **options, max_cache_tokens=tokens, evict_every=config.evict_every
+                )
+                if method == ORACLE:
+                    oracle.bind(cache)
+                answers[method_key(method, cap)] = nll(cache)
+            return {**fields, "nll": answers}
+
+        return Cell(self.shard(DECODE, name, prompt_tokens, fields=fields), config.decode_windows, compute,
+                    config.decode_grid())  # fmt: skip
 
     def answers(
         self,
@@ -541,16 +668,22 @@ def needle_rows(
 
 
 def text_rows(
-    name: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]], reference: str
+    name: str,
+    context: int,
+    records: list[dict],
+    grid: list[tuple[str, Budget | None]],
+    reference: str | None,
+    protocol: str = PERPLEXITY,
 ) -> list[dict]:
-    """Rows of one real-text cell: NLL per token and its increase over the full cache (bootstrap CIs).
+    """Rows of one real-text cell (``perplexity`` or ``decode``, where the budget is the cap): NLL per
+    token and its increase over the full cache (bootstrap CIs).
 
     Every other compressed method's row also holds ``paired``: its per-window NLL minus that of
     ``reference`` (the first method) at the same budget, mean and CI. The windows are shared, so
     pairing removes their spread, which dominates the unpaired intervals; positive: ``reference``
     lost less."""
     where = {
-        "protocol": PERPLEXITY,
+        "protocol": protocol,
         "corpus": name,
         "kind": corpus(name).kind if name != ALL else ALL,
         "context_tokens": context,
@@ -589,17 +722,20 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
     the grid later is pending while the finished rows stay reported. A cell with any row missing is
     pending, with the samples that hold every row counted as done and the missing methods named."""
 
-    def records(*parts) -> dict[int, dict]:
-        return shard(out, fingerprint, *parts).records()
+    def records(*parts, fields: dict | None = None) -> dict[int, dict]:
+        return shard(out, fingerprint, *parts, fields=fields).records()
 
     rows, pending, excluded, seconds = [], [], [], {}
 
-    def finished(cell: dict, found: dict[int, dict], wanted: int) -> tuple[list[dict], list] | None:
-        """The cell's records in index order and the grid rows that all of them hold; None while the
-        full cache's row is not done."""
-        missing = [set(missing_rows(config, fingerprint, found.get(i))) for i in range(wanted)]
-        grid = [row for row in config.grid() if not any(row in m for m in missing)]
-        if len(grid) < len(config.grid()):
+    def finished(
+        cell: dict, found: dict[int, dict], wanted: int, cell_grid: list | None = None
+    ) -> tuple[list[dict], list] | None:
+        """The cell's records in index order and the rows of its grid (default ``config.grid()``)
+        that all of them hold; None while the full cache's row is not done."""
+        cell_grid = config.grid() if cell_grid is None else cell_grid
+        missing = [set(missing_rows(cell_grid, fingerprint, found.get(i))) for i in range(wanted)]
+        grid = [row for row in cell_grid if not any(row in m for m in missing)]
+        if len(grid) < len(cell_grid):
             methods = sorted({method for m in missing for method, _ in m})
             pending.append({**cell, "done": sum(not m for m in missing), "n": wanted, "missing": methods})
         if (FULL, None) not in grid:
@@ -642,19 +778,28 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
     for (protocol, context), cells in pooled.items():
         if (protocol, context) not in unreported:
             rows += needle_rows(protocol, ALL, context, *pooled_records(cells))
-    for context in config.text_contexts:
+    text_cells = [
+        (PERPLEXITY, n, config.text_windows[n], None, config.methods[0], None) for n in config.text_contexts
+    ]
+    if config.decode_caps:
+        reference = next(iter(config.capped_methods()), None)
+        text_cells.append(
+            (DECODE, config.decode_prompt_tokens, config.decode_windows, config.decode_grid(), reference,
+             config.decode_fields())
+        )  # fmt: skip
+    for protocol, context, wanted, grid, reference, fields in text_cells:
         for name in config.corpora:
-            cell = {"protocol": PERPLEXITY, "corpus": name, "context_tokens": context}
-            done = finished(cell, records(PERPLEXITY, name, context), config.text_windows[context])
+            cell = {"protocol": protocol, "corpus": name, "context_tokens": context}
+            done = finished(cell, records(protocol, name, context, fields=fields), wanted, grid)
             if done is None:
-                unreported.add((PERPLEXITY, context))
+                unreported.add((protocol, context))
                 continue
-            rows += text_rows(name, context, *done, config.methods[0])
-            pooled.setdefault((PERPLEXITY, context), []).append(done)
-            seconds[f"{PERPLEXITY}/{name}/{context}"] = cost(done[0])
-        cells = pooled.get((PERPLEXITY, context))
-        if cells and (PERPLEXITY, context) not in unreported:
-            rows += text_rows(ALL, context, *pooled_records(cells), config.methods[0])
+            rows += text_rows(name, context, *done, reference, protocol)
+            pooled.setdefault((protocol, context), []).append(done)
+            seconds[f"{protocol}/{name}/{context}"] = cost(done[0])
+        cells = pooled.get((protocol, context))
+        if cells and (protocol, context) not in unreported:
+            rows += text_rows(ALL, context, *pooled_records(cells), reference, protocol)
     return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
 
 

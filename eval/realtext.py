@@ -1,4 +1,5 @@
-"""The real-text perplexity protocol: compress a long prefix, score the true continuation.
+"""The real-text protocols: compress a long prefix, or read a long text under a cache cap, and
+score the true continuation.
 
 A window of a held-out corpus (:mod:`eval.corpora`) is ``prefix_tokens + continuation_tokens``
 long. The prefix is prefilled once; each (method, budget) compresses it, then ONE forward of the
@@ -6,6 +7,10 @@ continuation on the compressed cache gives the logits of every continuation toke
 are exact whatever the cache does after that forward (its eviction at the end of the forward
 cannot change them), and the first continuation token comes from the prefill's own logits, which
 are the same for every method. The score is the mean NLL per continuation token.
+
+Under a cap (the benchmark's ``decode`` protocol) the prefix goes into a cache capped at
+``max_cache_tokens`` and the continuation is read in chunks (``chunk_tokens``), the cache evicting
+between them as it would while decoding.
 """
 
 from __future__ import annotations
@@ -67,21 +72,31 @@ def windows(stream: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
 
 @torch.no_grad()
 def continuation_nll(
-    model, prefilled: Prefill, cache, continuation: torch.Tensor, scored: int | None = None
+    model,
+    prefilled: Prefill,
+    cache,
+    continuation: torch.Tensor,
+    scored: int | None = None,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Mean NLL per token ``[rows]`` of ``continuation`` (``[1, c]``) after the prefilled prefix.
 
     ``cache`` holds the prefix for ``rows`` rows (a stack of compressed caches, or an uncompressed
     copy of ``prefilled.cache``); it is consumed. ``scored``: only the last ``scored`` tokens count
-    (the earlier ones, a question say, are read but not scored); default all.
+    (the earlier ones, a question say, are read but not scored); default all. ``chunk_tokens``:
+    None reads the continuation in one forward; an int reads it that many tokens per forward, so a
+    cache under ``max_cache_tokens`` evicts between them as while decoding (each token attends to
+    the cache as it stood at its chunk's start plus the chunk's earlier tokens).
     """
     rows = cache.layers[0].keys.shape[0]
     target = continuation.expand(rows, -1)
-    losses = F.cross_entropy(prefilled.next_token_logits.expand(rows, -1), target[:, 0], reduction="none")[
-        :, None
-    ]
-    if target.shape[1] > 1:
-        logits = forward_tokens(model, cache, target[:, :-1]).float()
-        rest = F.cross_entropy(logits.transpose(1, 2), target[:, 1:], reduction="none")
-        losses = torch.cat([losses, rest], dim=1)
-    return losses[:, -(scored or target.shape[1]) :].mean(-1)
+    first = F.cross_entropy(prefilled.next_token_logits.expand(rows, -1), target[:, 0], reduction="none")
+    losses = [first[:, None]]
+    step = chunk_tokens or target.shape[1]
+    for start in range(0, target.shape[1] - 1, step):
+        end = min(start + step, target.shape[1] - 1)
+        logits = forward_tokens(model, cache, target[:, start:end]).float()
+        losses.append(
+            F.cross_entropy(logits.transpose(1, 2), target[:, start + 1 : end + 1], reduction="none")
+        )
+    return torch.cat(losses, dim=1)[:, -(scored or target.shape[1]) :].mean(-1)

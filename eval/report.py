@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from eval.benchmark import ALL, PERPLEXITY
+from eval.benchmark import ALL, DECODE, PERPLEXITY
 from eval.oracle import ORACLE
 from eval.stats import overlaps
 from eval.sweep import FULL
@@ -31,6 +31,7 @@ PROTOCOL_TITLES = {
     "question_in": "question inside the compressed prefill",
     "question_after": "question asked after compression",
     PERPLEXITY: "real text: NLL increase per token over the full cache (lower is better)",
+    DECODE: "decoding under a cap: NLL increase per token over the uncapped cache (lower is better)",
 }
 HEADLINE_BUDGETS = (0.1, 0.25)
 
@@ -105,15 +106,43 @@ def budget_columns(budgets: list) -> list[tuple[str, Callable[[dict], bool]]]:
     return [(f"budget {b}", lambda r, b=b: r["budget"] in (b, None)) for b in budgets]
 
 
+def cap_label(config: dict, cap: float | int) -> str:
+    """``cap 256``, or for a share of the ``decode`` window ``cap 10% (307)``."""
+    if isinstance(cap, int):
+        return f"cap {cap}"
+    return f"cap {cap:.0%} ({round(cap * (config['decode_prompt_tokens'] + config['decode_tokens']))})"
+
+
+def protocol_lengths(config: dict, protocol: str) -> list[int]:
+    """The lengths a protocol's cells are named by (``decode``: its prompt; absent before it existed)."""
+    if protocol == DECODE:
+        return [config["decode_prompt_tokens"]] if config.get("decode_caps") else []
+    return config["text_contexts"] if protocol == PERPLEXITY else config["contexts"]
+
+
+def length_text(config: dict, protocol: str, length: int) -> str:
+    if protocol == DECODE:
+        return (
+            f"{kilo(length)} prompt + {kilo(config['decode_tokens'])} tokens read in chunks of "
+            f"{config['decode_chunk_tokens']} (evict_every {config['evict_every']})"
+        )
+    return f"{kilo(length)} tokens"
+
+
 def section_tables(result: dict, pooled_only: bool) -> list[str]:
     """Markdown for every (protocol, length) cell group; per-task tables too unless ``pooled_only``."""
     rows, config = result["rows"], result["config"]
-    budgets = config["budgets"]
     lines = []
-    for protocol in [*config["protocols"], PERPLEXITY]:
-        lengths = config["text_contexts"] if protocol == PERPLEXITY else config["contexts"]
-        subject = "corpus" if protocol == PERPLEXITY else "task"
-        for length in lengths:
+    for protocol in [*config["protocols"], PERPLEXITY, DECODE]:
+        subject = "task" if protocol in config["protocols"] else "corpus"
+        if protocol == DECODE:
+            columns = [
+                (cap_label(config, c), lambda r, c=c: r["budget"] in (c, None))
+                for c in config.get("decode_caps", [])
+            ]
+        else:
+            columns = budget_columns(config["budgets"])
+        for length in protocol_lengths(config, protocol):
             cell_rows = [r for r in rows if r["protocol"] == protocol and r["context_tokens"] == length]
             if not cell_rows:
                 continue
@@ -125,24 +154,25 @@ def section_tables(result: dict, pooled_only: bool) -> list[str]:
                 n = selected[0]["n"]
                 what = f"all {subject == 'task' and 'tasks' or 'corpora'} pooled" if group == ALL else group
                 lines += [
-                    f"**{PROTOCOL_TITLES[protocol]}, {kilo(length)} tokens, {what} (n = {n})**",
+                    f"**{PROTOCOL_TITLES[protocol]}, {length_text(config, protocol, length)}, {what} (n = {n})**",
                     "",
-                    grid_table(selected, budget_columns(budgets)),
+                    grid_table(selected, columns),
                     "",
                 ]
     return lines
 
 
 def paired_lines(result: dict) -> list[str]:
-    """Per text length: every method's per-window NLL difference from the first method (rows'
-    ``paired``), corpora pooled first, with the 95% interval. An interval above 0 means the first
-    method lost less on these very windows."""
+    """Per text length (real text, then decoding under a cap): every method's per-window NLL
+    difference from the first method (rows' ``paired``), corpora pooled first, with the 95% interval.
+    An interval above 0 means the first method lost less on these very windows."""
     lines = []
-    for length in result["config"]["text_contexts"]:
+    config = result["config"]
+    for protocol, length in [(p, n) for p in (PERPLEXITY, DECODE) for n in protocol_lengths(config, p)]:
         paired = [
             r
             for r in result["rows"]
-            if r["protocol"] == PERPLEXITY and r["context_tokens"] == length and "paired" in r
+            if r["protocol"] == protocol and r["context_tokens"] == length and "paired" in r
         ]
         if not paired:
             continue
@@ -160,10 +190,12 @@ def paired_lines(result: dict) -> list[str]:
             ]
             for method in dict.fromkeys(r["method"] for r in paired)
         ]
-        header = ["method"] + [f"{'pooled' if c == ALL else c}, budget {b}" for c, b in columns]
+        label = (lambda b: cap_label(config, b)) if protocol == DECODE else (lambda b: f"budget {b}")
+        header = ["method"] + [f"{'pooled' if c == ALL else c}, {label(b)}" for c, b in columns]
+        what = "decoding under a cap" if protocol == DECODE else "real text"
         lines += [
-            f"**real text, {kilo(length)} tokens: NLL difference per token from `{paired[0]['paired']['against']}` "
-            "on the same windows (95% interval; positive: it lost less)**",
+            f"**{what}, {length_text(config, protocol, length)}: NLL difference per token from "
+            f"`{paired[0]['paired']['against']}` on the same windows (95% interval; positive: it lost less)**",
             "",
             markdown_table(header, body),
             "",
@@ -318,10 +350,10 @@ def pending_line(result: dict) -> str:
 
 def remaining_cpu_hours(result: dict) -> float | None:
     """CPU hours the unfinished samples need, priced at the mean per-sample cost of the finished cells of
-    the same kind (needles or text) and length; None when some unfinished cell has no such price."""
+    the same kind (needles, text or decoding under a cap) and length; None when some unfinished cell has no such price."""
 
     def kind(protocol: str) -> str:
-        return PERPLEXITY if protocol == PERPLEXITY else "needles"
+        return protocol if protocol in (PERPLEXITY, DECODE) else "needles"
 
     price: dict[tuple, list[float]] = {}
     unfinished = {cell_name(c) for c in result["pending"]}

@@ -18,9 +18,9 @@ from test_sweep import PROVENANCE_FIELDS, tiny_with_chat_tokenizer
 import eval.benchmark as benchmark
 from eval import realtext
 from eval.__main__ import main
-from eval.benchmark import ALL, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
+from eval.benchmark import ALL, DECODE, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
-from eval.oracle import ORACLE, OracleScorer, oracle_scorer
+from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
 from eval.report import README_BEGIN, README_END, headline, pending_line, remaining_cpu_hours, update_docs
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS
@@ -29,6 +29,7 @@ from kvp_cache.compat import cache_kwarg
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
+from kvp_cache.targets import decode_attention, eviction_points
 
 NEEDLE_FIELDS = {"protocol", "task", "context_tokens", "method", "budget", "n", "metric", "score", "ci95"}
 TEXT_FIELDS = {"protocol", "corpus", "kind", "context_tokens", "method", "budget", "n", "metric", "score", "ci95",
@@ -53,8 +54,19 @@ def small_config(**overrides) -> BenchmarkConfig:
         text_contexts=[96],
         text_windows={96: 3},
         continuation_tokens=12,
+        decode_caps=[],
     )
     return BenchmarkConfig(**{**options, **overrides})
+
+
+def decode_config(**overrides) -> BenchmarkConfig:
+    """The decode protocol alone, at a smoke size: 24 prompt tokens, then 24 read 4 at a time."""
+    options = dict(
+        contexts=[], protocols=[], tasks=[], screened_tasks=[], text_contexts=[], corpora=["kjv", "angular"],
+        methods=["knorm", "tova", "lagkv"], decode_caps=[10, 0.25, 64], decode_prompt_tokens=24,
+        decode_tokens=24, decode_windows=2, decode_chunk_tokens=4, evict_every=3, sink_tokens=2, window_tokens=4,
+    )  # fmt: skip
+    return small_config(**{**options, **overrides})
 
 
 def run(model, tokenizer, config, out: Path, policy=None) -> dict:
@@ -333,7 +345,7 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     args = ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "256",
             "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "", "--protocols", "question_in",
             "--corpora", "angular", "--text-contexts", "96", "--text-windows", "2", "--continuation-tokens", "8",
-            "--essays-dir", ""]  # fmt: skip
+            "--essays-dir", "", "--decode-caps", ""]  # fmt: skip
     # --no-run reports what is done so far: nothing yet.
     assert main([*args, "--out", str(tmp_path / "empty"), "--no-run"]) == 0
     empty = json.loads((tmp_path / "empty" / "benchmark.json").read_text())
@@ -372,7 +384,7 @@ def test_cli_prefill_in_chunks_gives_the_same_rows(tiny, tmp_path, monkeypatch, 
     args = ["benchmark", "--methods", "snapkv,expected_attention", "--policy", "", "--budgets", "0.25",
             "--contexts", "256", "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "",
             "--protocols", "question_in,question_after", "--corpora", "kjv", "--text-contexts", "96",
-            "--text-windows", "2", "--continuation-tokens", "8", "--essays-dir", ""]  # fmt: skip
+            "--text-windows", "2", "--continuation-tokens", "8", "--essays-dir", "", "--decode-caps", ""]  # fmt: skip
     rows = {}
     for chunk in (None, 40):
         out = tmp_path / str(chunk)
@@ -607,3 +619,111 @@ def test_unfinished_cells_are_priced_from_finished_cells_of_the_same_length():
     pending = [{"protocol": "question_in", "task": "niah_multikey", "context_tokens": 2048, "done": 0, "n": 50,
                 "missing": ["h2o"]}]  # fmt: skip
     assert remaining_cpu_hours({"seconds": seconds, "pending": pending}) == pytest.approx(50 * 10 / 3600)
+
+
+# ---------------------------------------------------------------- decoding under a cap
+
+
+def test_decode_rows_caps_and_resume(tiny, tmp_path, fake_corpora, work):
+    model, tokenizer = tiny
+    config = decode_config()
+    result = run(model, tokenizer, config, tmp_path)
+    assert result["pending"] == [] and config.cap_tokens(0.25) == 12
+    rows = [r for r in result["rows"] if r["protocol"] == DECODE]
+    grid = [(FULL, None)] + [(m, c) for m in ("knorm", "tova", ORACLE) for c in (10, 0.25, 64)]
+    assert len(rows) == 3 * len(grid)  # two corpora, then both pooled; lagkv cannot rank decoded tokens
+    assert {(r["method"], r["budget"]) for r in rows} == set(grid)
+    for r in rows:
+        paired = r["method"] not in (FULL, "knorm")
+        assert set(r) == TEXT_FIELDS | ({"paired"} if paired else set()) and r["context_tokens"] == 24
+    by_key = {(r["corpus"], r["method"], r["budget"]): r for r in rows}
+    for (name, method, cap), row in by_key.items():
+        full = by_key[name, FULL, None]["nll"]
+        if cap == 64:  # a cap above the 48 tokens read never evicts: the uncapped cache's NLL
+            assert row["nll"] == pytest.approx(full, abs=1e-5)
+        if cap == 10 and method != ORACLE:
+            assert abs(row["nll"] - full) > 1e-4  # the cap evicted something that mattered
+    # The uncapped row, read in chunks, is the plain forward's NLL of the window's last 24 tokens.
+    window = realtext.windows(realtext.corpus_tokens("kjv", tokenizer), 48, 2)[0]
+    with torch.no_grad():
+        logits = model(window).logits[0, 23:-1]
+    expected = F.cross_entropy(logits, window[0, 24:]).item()
+    record = latest_records(tmp_path)["shards/decode/kjv/24.jsonl", 0]
+    assert record["nll"][FULL] == pytest.approx(expected, abs=1e-4)
+    assert record["chunk_tokens"] == 4 and record["decode_tokens"] == 24
+    table = (tmp_path / "report").joinpath("benchmark.md")
+    from eval.report import write_report
+
+    write_report(result, table.parent)
+    text = table.read_text()
+    assert "decoding under a cap" in text and "cap 25% (12)" in text and "| decode/kjv/24 | 2 |" in text
+    # Resumed: nothing to compute; another chunk length reads none of these records.
+    work.clear()
+    assert run(model, tokenizer, config, tmp_path)["rows"] == result["rows"] and work["prefill"] == 0
+    other = decode_config(decode_chunk_tokens=5)
+    assert {p["done"] for p in benchmark_result(other, tmp_path, other.fingerprint(None), {})["pending"]} == {
+        0
+    }
+
+
+def test_capped_oracle_keeps_what_the_decode_target_ranks_highest():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (1, 44), generator=torch.Generator().manual_seed(4))
+    prompt, rest = ids[:, :20], ids[0, 20:].tolist()
+    cap, every, sinks, window, chunk = 8, 3, 1, 2, 4
+    forwards = [20] + [chunk] * 5  # 40 tokens read; the queries of the 4 after it rank the last eviction
+    evictions = eviction_points(forwards, cap, every)
+    prefilled = prefill(model, prompt)
+    states = future_states(model, prefilled, rest)
+    scorer = capped_oracle_scorer(states, evictions, sinks, window)
+    # The target is the one defined in the core, on the uncapped model's states.
+    torch.testing.assert_close(
+        scorer.importance[1],
+        decode_attention(states[1].queries, states[1].keys, states[1].scaling, evictions, 1, 2),
+    )
+    cache = KVPCache.from_prefill(
+        prefilled, model, method=scorer, budget=1.0, max_cache_tokens=cap, evict_every=every,
+        sink_tokens=sinks, window_tokens=window, track_positions=True,
+    )  # fmt: skip
+    scorer.bind(cache)
+    held = {layer: torch.arange(20).expand(2, -1) for layer in range(2)}  # what each head held before
+    read, checked = 20, 0
+    for step, n in enumerate(forwards):
+        if step:
+            with torch.no_grad():
+                model(torch.tensor([rest[read - 20 : read - 20 + n]]), **{cache_kwarg(model): cache})
+            held = {
+                layer: torch.cat([h, torch.arange(read, read + n).expand(2, -1)], -1)
+                for layer, h in held.items()
+            }
+            read += n
+        if read not in evictions:
+            continue
+        k = evictions.index(read)
+        for layer, kept in enumerate(cache.evicting_layers):
+            for head in range(2):
+                candidates = held[layer][head]
+                protected = candidates[(candidates < sinks) | (candidates >= read - window)]
+                free = candidates[(candidates >= sinks) & (candidates < read - window)]
+                best = free[scorer.importance[layer][k, head, free].topk(cap - sinks - window).indices]
+                expected = torch.cat([protected, best]).sort().values
+                assert torch.equal(kept.positions[0, head].sort().values, expected)
+                checked += 1
+            held[layer] = kept.positions[0].sort(-1).values
+    assert checked == 2 * 2 * len(evictions) and len(evictions) >= 3
+    with pytest.raises(ValueError, match="built for evictions"):
+        KVPCache.from_prefill(
+            prefilled, model, method=capped_oracle_scorer(states, evictions[1:], sinks, window), budget=1.0,
+            max_cache_tokens=cap, evict_every=every, sink_tokens=sinks, window_tokens=window, track_positions=True,
+        )  # fmt: skip
+
+
+def test_decode_config_errors():
+    with pytest.raises(ValueError, match="fewer than sink_tokens"):
+        decode_config(decode_caps=[5])
+    with pytest.raises(ValueError, match="fewer than sink_tokens"):
+        decode_config(decode_caps=[0.1])  # 5 of 48 tokens
+    with pytest.raises(ValueError, match="decode_chunk_tokens must be an int >= 1"):
+        decode_config(decode_chunk_tokens=0)
+    with pytest.raises(ValueError, match="oracle_horizon"):
+        decode_config(oracle_horizon=0)
