@@ -666,6 +666,20 @@ def test_decode_rows_caps_and_resume(tiny, tmp_path, fake_corpora, work):
     }
 
 
+def test_decode_caps_only_the_global_layers_of_a_hybrid_model(tiny, tmp_path, fake_corpora):
+    """Gemma 3: sliding-window layers keep their own window, the global ones are capped (oracle included)."""
+    model = tiny_model("gemma3")
+    model.resize_token_embeddings(len(tiny[1]), mean_resizing=False)  # the fake corpora's token ids
+    config = decode_config(methods=["knorm", "snapkv"], corpora=["kjv"])
+    rows = {(r["method"], r["budget"]): r["nll"] for r in run(model, tiny[1], config, tmp_path)["rows"]}
+    assert len(rows) == 1 + 3 * 3
+    for (_, cap), nll in rows.items():
+        if cap == 64:
+            assert nll == pytest.approx(rows[FULL, None], abs=1e-5)
+        elif cap == 10:
+            assert abs(nll - rows[FULL, None]) > 1e-4
+
+
 def test_capped_oracle_keeps_what_the_decode_target_ranks_highest():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (1, 44), generator=torch.Generator().manual_seed(4))
