@@ -19,10 +19,11 @@ from reference import (
 )
 from transformers import DynamicCache
 
-from kvp_cache import KVPCache
+from kvp_cache import KVPCache, KVPolicy
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.prefill import prefill
 from kvp_cache.ragged import RaggedLayer
+from kvp_cache.scorers import SCORERS as SCORER_CLASSES
 from kvp_cache.scorers.base import Scorer
 from kvp_cache.scorers.snapkv import SnapKVScorer
 
@@ -239,3 +240,36 @@ def test_saving_a_ragged_cache_is_refused(tmp_path):
     model(ids(length=30), **{cache_kwarg(model): cache})
     with pytest.raises(ValueError, match="allocation='head'.*not supported yet"):
         cache.save_pretrained(tmp_path / "saved")
+
+
+COMPARABLE = sorted(name for name, cls in SCORER_CLASSES.items() if cls.comparable_across_heads)
+
+
+@pytest.mark.parametrize("method", COMPARABLE)
+@pytest.mark.parametrize("allocation", ["head", "layer"])
+def test_every_comparable_method_matches_the_reference(method, allocation):
+    model = tiny_model("llama")
+    options = {"window_size": 6} if method == "snapkv" else {}
+    if method == "kvp":
+        torch.manual_seed(0)
+        options["policy"] = KVPolicy.for_model(model, hidden_dim=16, pos_dim=8, max_positions=64)
+    cache = KVPCache(
+        model, method=method, budget=0.3, allocation=allocation, track_positions=True, **PROTECTED, **options
+    )
+    check_generate_against_reference(model, ids(length=48, seed=9), cache, max_new_tokens=4)
+    capped = KVPCache(
+        model,
+        method=method,
+        budget=0.5,
+        allocation=allocation,
+        max_cache_tokens=14,
+        evict_every=3,
+        track_positions=True,
+        **PROTECTED,
+        **options,
+    )
+    check_generate_against_reference(model, ids(length=40, seed=10), capped, max_new_tokens=8)
+
+
+def test_comparable_methods_include_the_learned_policy_and_attention_baselines():
+    assert {"kvp", "snapkv", "tova", "h2o", "expected_attention"} <= set(COMPARABLE)
