@@ -32,6 +32,7 @@ the development machine's two cores are shared, and two OpenMP threads spin agai
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -39,17 +40,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` also imports eval/
-from eval.realtext import corpus_tokens  # noqa: E402
+from eval.realtext import continuation_nll, corpus_tokens  # noqa: E402
 from kvp_cache import KVPCache, scorers
 from kvp_cache.cache import cache_bytes
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import shipped_policies
+from kvp_cache.prefill import Prefill, prefill
 from kvp_cache.provenance import provenance
 
 FULL = "full"
@@ -65,6 +66,14 @@ def text_ids(tokenizer, essays: Path | None, needed: int) -> tuple[torch.Tensor,
     if ids.shape[1] < needed:
         raise SystemExit(f"{path} has {ids.shape[1]} tokens; lower --prompt-tokens/--continuation-tokens")
     return ids[:, :needed], path.name
+
+
+def prefilled_cache(model, prefilled: Prefill, method: str, cap: int, evict_every: int) -> KVPCache:
+    """The prompt's cache under ``method`` capped at ``cap`` (the prompt counts as the first prefill)."""
+    policy = {"policy": POLICY} if method == "kvp" else {}
+    return KVPCache.from_prefill(
+        prefilled, model, method=method, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **policy
+    )
 
 
 def make_cache(model, method: str, cap: int | None, evict_every: int):
@@ -94,20 +103,6 @@ def decode_run(model, cache, prompt: torch.Tensor, tokens: int, label: str) -> d
         "flatness": max(held[3 * quarter :]) / max(held[quarter : 2 * quarter]),
         "kv_bytes_every_256": held[255::256],
     }
-
-
-@torch.no_grad()
-def continuation_nll(model, cache, ids: torch.Tensor, prompt_tokens: int, chunk: int) -> float:
-    """Mean NLL of ``ids[:, prompt_tokens:]`` teacher-forced through ``cache`` in chunks."""
-    kwargs = {cache_kwarg(model): cache}
-    logits = model(ids[:, :prompt_tokens], logits_to_keep=1, **kwargs).logits[:, -1]
-    total = F.cross_entropy(logits.float(), ids[:, prompt_tokens], reduction="sum")
-    for start in range(prompt_tokens, ids.shape[1] - 1, chunk):
-        piece = ids[:, start : min(start + chunk, ids.shape[1] - 1)]
-        logits = model(piece, **kwargs).logits[0].float()
-        targets = ids[0, start + 1 : start + 1 + piece.shape[1]]
-        total += F.cross_entropy(logits, targets, reduction="sum")
-    return float(total) / (ids.shape[1] - prompt_tokens)
 
 
 def speed_table(speed: dict, cap: int, evict_every: int) -> str:
@@ -204,10 +199,15 @@ def main(argv=None) -> None:
     if args.continuation_tokens:
         runs = [(FULL, None)] + [(m, c) for m in args.methods for c in args.caps]
         nll: dict = {m: {} for m in args.methods}
+        prefilled = prefill(model, ids[:, : args.prompt_tokens])
         for method, cap in tqdm(runs, desc="teacher-forced NLL", unit="run"):
-            value = continuation_nll(
-                model, make_cache(model, method, cap, args.evict_every), ids, args.prompt_tokens, args.chunk
+            cache = (
+                copy.deepcopy(prefilled.cache)
+                if method == FULL
+                else prefilled_cache(model, prefilled, method, cap, args.evict_every)
             )
+            continuation = ids[:, args.prompt_tokens :]
+            value = float(continuation_nll(model, prefilled, cache, continuation, chunk_tokens=args.chunk))
             if method == FULL:
                 nll[FULL] = value
             else:
