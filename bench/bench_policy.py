@@ -5,7 +5,9 @@ layer of that prefill's cache, as ``KVPCache`` does after a prefill, with the tr
 (default: the one shipped for SmolLM2; its sha256 goes in the JSON's provenance) and with a randomly
 initialised ``KVPolicy`` of each ``--hidden-dim`` (the cost depends on the shape, not the weights). Prefill and scoring alternate in every repeat, so a busy
 machine slows both alike; the medians are printed with their ratio, plus parameter count and
-weights size (fp32, and the saved model.safetensors).
+weights size (fp32, and the saved model.safetensors). The whole compression with the trained
+policy at ``--budget`` is timed too, for each allocation (``KVPCache.from_prefill``: scoring, the
+uniform top-k or the cross-head allocation, and the gather of the kept entries).
 
     .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 \
         [--json bench/results/policy_smollm2.json]
@@ -26,11 +28,15 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
+from kvp_cache import KVPCache
 from kvp_cache.agents import POSITION_STRATEGIES
 from kvp_cache.demo import default_policy
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import KVPolicy, load_policy
+from kvp_cache.prefill import prefill as prefill_prompt
 from kvp_cache.provenance import provenance
+
+ALLOCATIONS = ("uniform", "layer", "head")
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-positions", type=int, default=1024)
     parser.add_argument("--num-mlp-layers", type=int, default=2)
     parser.add_argument("--position-strategy", choices=sorted(POSITION_STRATEGIES), default="clamp")
+    parser.add_argument("--budget", type=float, default=0.1, help="budget of the timed compression")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     parser.add_argument("--json", type=Path, help="write the provenance, settings and every row here")
@@ -102,13 +109,23 @@ def main() -> None:
             for layer_idx, (keys, values) in enumerate(states):
                 policy(layer_idx, keys, values, positions)
 
+    prefilled = prefill_prompt(model, input_ids)
+
+    def compress(allocation: str) -> None:
+        KVPCache.from_prefill(prefilled, model, policy=trained, budget=args.budget, allocation=allocation)
+
     for policy in policies.values():
         score_all(policy)  # warm-up
+    for allocation in ALLOCATIONS:
+        compress(allocation)  # warm-up
     prefill_times, policy_times = [], {label: [] for label in policies}
+    compress_times = {allocation: [] for allocation in ALLOCATIONS}
     for _ in tqdm(range(args.repeats), desc="repeats"):
         prefill_times.append(timed(prefill))
         for label, policy in policies.items():
             policy_times[label].append(timed(lambda policy=policy: score_all(policy)))
+        for allocation in ALLOCATIONS:
+            compress_times[allocation].append(timed(lambda allocation=allocation: compress(allocation)))
 
     prefill_s = statistics.median(prefill_times)
     heads = model.config.num_hidden_layers * model.config.num_key_value_heads
@@ -140,12 +157,27 @@ def main() -> None:
             f"{label:>14} {params:>10,} {params * 4 / 1e6:>8.2f} {rows[-1]['file_bytes'] / 1e6:>8.2f} "
             f"{policy_s * 1e3:>10.1f} {policy_s / prefill_s:>14.2%}"
         )
+    print(
+        f"\nWhole compression with the trained policy at budget {args.budget} (scoring + selection + gather):"
+    )
+    compression = []
+    for allocation, times in compress_times.items():
+        seconds = statistics.median(times)
+        compression.append(
+            {
+                "allocation": allocation,
+                "compress_ms": seconds * 1e3,
+                "compress_over_prefill": seconds / prefill_s,
+            }
+        )
+        print(f"{allocation:>14} {seconds * 1e3:>10.1f} ms {seconds / prefill_s:>14.2%} of the prefill")
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         record = {
             "provenance": provenance("smollm2", model.dtype, model.device, trained, command=sys.argv),
             "settings": settings | {"prefill_ms": prefill_s * 1e3, "load_average": os.getloadavg()[0]},
             "rows": rows,
+            "compression": compression,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))
