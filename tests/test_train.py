@@ -14,7 +14,7 @@ import torch
 from kvp_cache.policy import HeadAgents, KVPolicy, load_policy
 from kvp_cache.targets import attention_modules
 from train import collect, corpora, data, evaluate, fit, reward, rl
-from train.batch import Batch
+from train.batch import pad_batch
 from train.traces import TraceSplit, shard_dir, write_shard
 
 PROMPT, FUTURE = 40, 6
@@ -432,26 +432,19 @@ def test_fit_improves_validation_reward_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("objective", ["regression", "ranknet", "listnet", "softsort"])
 def test_supervised_objectives_learn(objective):
+    from train.traces import LayerSample
+
     torch.manual_seed(0)
-    keys = torch.randn(8, 2, 40, 8)
-    batch = Batch(
-        keys=keys,
-        values=torch.randn(8, 2, 40, 8),
-        importance=torch.exp(3 * keys[..., 0]),
-        positions=torch.arange(40).expand(8, 40),
-        valid=torch.ones(8, 40, dtype=torch.bool),
-    )
+    keys, values = torch.randn(8, 2, 40, 8), torch.randn(8, 2, 40, 8)
+    samples = [
+        LayerSample(keys[i], values[i], torch.exp(3 * keys[i, ..., 0]), {}, f"s/{i}", "synthetic")
+        for i in range(8)
+    ]
     agents = HeadAgents(2, 8, 16, 4, 64, 2, "clamp")
     config = fit.FitConfig(
         "", "", objective=objective, steps=60, warmup=2, lr=1e-2, eval_every=10, ema_decay=0.9
     )
-    before, _ = fit.validation_reward(agents, [batch])
-    from train.traces import LayerSample
-
-    samples = [
-        LayerSample(keys[i], batch.values[i], batch.importance[i], {}, f"s/{i}", "synthetic")
-        for i in range(8)
-    ]
+    before, _ = fit.validation_reward(agents, [pad_batch(samples)])
     history = fit.fit_layer(agents, samples, samples, config)
     assert history["best_val_reward"] > before
 

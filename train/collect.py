@@ -397,14 +397,60 @@ def write_traces(
     cache answers wrong (``only_correct``) are listed under ``skipped`` in the shard's meta.json.
     """
     modules = attention_modules(model)
+    scored = {split: query_aware_methods() if split in scored_splits else [] for split in splits}
+
+    def trace(split: str, example: data.Example) -> tuple[list[dict[str, torch.Tensor]] | None, dict]:
+        trace = trace_example(model, modules, example, scored[split], max_new_tokens, tokenizer, only_correct)
+        answer = (
+            tokenizer.decode(trace.answer_ids)
+            if trace.answer_ids is not None and tokenizer is not None
+            else None
+        )
+        record = {
+            "uid": example.uid,
+            "source": example.source,
+            "prompt_tokens": len(example.prompt_ids),
+            "future_tokens": trace.future_tokens,
+            "answer": answer,
+            **example.info,
+        }
+        return trace.layers, record
+
+    write_splits(
+        model, out, splits, settings, shard_size, trace, {s: {"methods": m} for s, m in scored.items()}
+    )
+
+
+# Traces one example of a split: (per traced layer its tensors, or None to skip it; its meta record).
+TraceFn = Callable[[str, data.Example], tuple[list[dict[str, torch.Tensor]] | None, dict]]
+
+
+def model_record(model) -> dict:
+    """What a trace's metadata says of the model: its name, shape and traced layers."""
     shape = attention_shape(model.config)
-    model_info = {
+    return {
         "name": text_config(model.config).name_or_path or "",
         "num_layers": shape.num_layers,
         "num_kv_heads": shape.num_kv_heads,
         "head_dim": shape.head_dim,
-        "layer_indices": [module.layer_idx for module in modules],
+        "layer_indices": [module.layer_idx for module in attention_modules(model)],
     }
+
+
+def write_splits(
+    model,
+    out: Path,
+    splits: dict[str, list[data.Example]],
+    settings: dict,
+    shard_size: int,
+    trace: TraceFn,
+    shard_meta: dict[str, dict],
+) -> None:
+    """Trace every example with ``trace`` into ``out/<split>/shard_*`` (resumable: finished shards are
+    skipped; a split collected with other ``settings`` is refused), with a progress bar; then print
+    the collection's size on disk and this run's tracing time. shard_meta: per split, extra fields of
+    its shards' meta.json."""
+    model_info = model_record(model)
     todo = []
     for split, items in splits.items():
         if not items:
@@ -417,42 +463,30 @@ def write_traces(
                 f"{split_dir} was collected with other settings ({settings_file}); use a new --out or delete it"
             )
         settings_file.write_text(json.dumps({"settings": settings, "model": model_info}, indent=1))
-        scored = query_aware_methods() if split in scored_splits else []
         for index in range(0, len(items), shard_size):
             todo.append(
-                (shard_dir(out, split, index // shard_size), items[index : index + shard_size], scored)
+                (shard_dir(out, split, index // shard_size), items[index : index + shard_size], split)
             )
     total = sum(len(items) for _, items, _ in todo)
     done = sum(len(items) for shard, items, _ in todo if shard_done(shard))
     bar = tqdm(total=total, initial=done, desc="collect", unit="sample")
     kept = skipped = 0
-    for shard, items, scored in todo:
+    seconds = 0.0
+    for shard, items, split in todo:
         if shard_done(shard):
             continue
-        per_layer = [dict() for _ in modules]
+        per_layer = [dict() for _ in model_info["layer_indices"]]
         metas, skips = [], []
         for example in items:
             started = time.time()
-            trace = trace_example(model, modules, example, scored, max_new_tokens, tokenizer, only_correct)
-            answer = (
-                tokenizer.decode(trace.answer_ids)
-                if trace.answer_ids is not None and tokenizer is not None
-                else None
-            )
-            record = {
-                "uid": example.uid,
-                "source": example.source,
-                "prompt_tokens": len(example.prompt_ids),
-                "future_tokens": trace.future_tokens,
-                "answer": answer,
-                "seconds": round(time.time() - started, 2),
-                **example.info,
-            }
-            if trace.layers is None:
+            layers, record = trace(split, example)
+            record["seconds"] = round(time.time() - started, 2)
+            seconds += record["seconds"]
+            if layers is None:
                 skips.append(record)
                 skipped += 1
             else:
-                for layer, tensors in zip(per_layer, trace.layers, strict=True):
+                for layer, tensors in zip(per_layer, layers, strict=True):
                     for name, tensor in tensors.items():
                         layer.setdefault(name, []).append(tensor)
                 metas.append(record)
@@ -460,12 +494,16 @@ def write_traces(
             bar.update(1)
             bar.set_postfix(kept=kept, skipped=skipped)
         write_shard(
-            shard, per_layer, {"model": model_info, "methods": scored, "samples": metas, "skipped": skips}
+            shard,
+            per_layer,
+            {"model": model_info, **shard_meta.get(split, {}), "samples": metas, "skipped": skips},
         )
     bar.close()
     sizes = ", ".join(f"{name}={len(items)}" for name, items in splits.items() if items)
     print(
-        f"traces in {out}: {sizes} examples; {trace_gigabytes(out):.2f} GB on disk; free {free_gigabytes(out):.0f} GB"
+        f"traces in {out}: {sizes} examples; {trace_gigabytes(out):.2f} GB on disk; free {free_gigabytes(out):.0f} GB; "
+        f"{seconds:.0f} s of tracing in this run ({kept} traced, {skipped} skipped) at "
+        f"{torch.get_num_threads()} threads"
     )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +115,35 @@ def example_nll(model, decoder: AnswerDecoder, example: Example, scorers: dict, 
     # Last: continuation_nll appends the future to the cache it is given, here the prefill's own.
     nll[FULL] = continuation_nll(model, prefilled, prefilled.cache, future).item()
     return nll
+
+
+def logged_records(log: Path) -> dict[str, dict]:
+    """The records of a JSONL log by uid (the last one of a uid wins); empty when there is none."""
+    if not log.exists():
+        return {}
+    return {r["uid"]: r for r in map(json.loads, log.read_text().splitlines())}
+
+
+def still_to_score(
+    old: dict, weights: dict[str, str], kept: dict, scorers: dict, budgets: list
+) -> tuple[dict, dict | None, dict]:
+    """What a rerun must score of one example: ``(nll kept from its log record, the scorers still
+    missing (None: nothing, not even the full cache), the record it builds on)``.
+
+    A record made with other ``kept`` settings (sinks, window, ...) carries nothing over; a policy
+    name whose weights (``weights``: name -> sha256) changed since it was logged is scored again,
+    as is every method lacking a budget of ``budgets``.
+    """
+    if old.get("kept") != kept:
+        old = {"nll": {}, "policies": {}}
+    stale = {name for name, sha in weights.items() if old.get("policies", {}).get(name) != sha}
+    kept_nll = {k: v for k, v in old["nll"].items() if k.split("@")[0] not in stale}
+    missing = {
+        name: scorer
+        for name, scorer in scorers.items()
+        if name in stale or any(f"{name}@{b:g}" not in old["nll"] for b in budgets)
+    }
+    return kept_nll, (missing if missing or FULL not in old["nll"] else None), old
 
 
 def source_groups(records: list[dict]) -> dict[str, list[dict]]:
@@ -230,61 +260,75 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"downstream_{config.split}"
     log = stem.with_suffix(".jsonl")
-    done = {}
-    if log.exists():
-        done = {r["uid"]: r for r in map(json.loads, log.read_text().splitlines())}
     weights = {name: policy_record(policy)["sha256"] for name, policy in policies.items()}
     kept = {"sinks": config.sinks, "window": config.window}
-    for example in tqdm(examples, desc="downstream", unit="sample"):
-        # A rerun scores only what the log lacks: new methods, new budgets, or a policy name whose
-        # weights changed since it was logged.
-        old = done.get(example.uid, {})
-        if old.get("kept") != kept:  # scored with other sinks or window: nothing carries over
-            old = {"nll": {}, "policies": {}}
-        stale = {name for name, sha in weights.items() if old.get("policies", {}).get(name) != sha}
-        kept_nll = {k: v for k, v in old["nll"].items() if k.split("@")[0] not in stale}
-        missing = {
-            name: scorer
-            for name, scorer in scorers.items()
-            if name in stale or any(f"{name}@{b:g}" not in old["nll"] for b in config.budgets)
-        }
-        if not missing and FULL in old["nll"]:
-            continue
-        record = {
-            "uid": example.uid,
-            "source": example.source,
-            "prompt_tokens": len(example.prompt_ids),
-            "future_tokens": len(example.question_ids) + len(example.future_ids or []),
-            "nll": {**kept_nll, **example_nll(model, decoder, example, missing, config.budgets)},
-            "policies": {**old["policies"], **weights},
-            "kept": kept,
-        }
-        done[example.uid] = record
-        with log.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-    records = [done[e.uid] for e in examples]
-    names = list(scorers)
-    rows = summary_rows(records, names, config.budgets)
-    paired = paired_rows(records, names, config.budgets)
+
+    def score(example: Example, missing: dict) -> dict:
+        return example_nll(model, decoder, example, missing, config.budgets)
+
+    records = score_examples(log, examples, weights, kept, scorers, config.budgets, score, "downstream")
     first = next(iter(policies.values()), None)
-    result = {
+    head = {
         "provenance": provenance(collection.model, str(next(model.parameters()).dtype), "cpu", policy=first),
         "policies": {name: policy_record(policy) for name, policy in policies.items()},
         "traces": str(config.traces),
         "split": config.split,
         "sinks": config.sinks,
         "window": config.window,
-        "rows": rows,
-        "paired": paired,
     }
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    table = markdown_summary(rows, names, config.budgets)
-    if paired:
-        table += "\n\n" + markdown_paired(paired, config.budgets)
-    stem.with_suffix(".md").write_text(
+    intro = (
         f"Held-out `{config.split}` examples of `{config.traces}`; sinks {config.sinks} + window "
-        f"{config.window} kept. Lower is better.\n\n{table}\n"
+        f"{config.window} kept. Lower is better."
     )
+    return write_summary(stem, records, list(scorers), config.budgets, head, intro)
+
+
+def score_examples(
+    log: Path,
+    examples: list[Example],
+    weights: dict[str, str],
+    kept: dict,
+    scorers: dict,
+    budgets: list,
+    score: Callable[[Example, dict], dict],
+    desc: str,
+) -> list[dict]:
+    """Each example's record, in order: read from the JSONL ``log``, and what it lacks (see
+    :func:`still_to_score`) scored by ``score(example, missing scorers) -> {key: nll}`` and appended
+    to the log as each example finishes."""
+    done = logged_records(log)
+    for example in tqdm(examples, desc=desc, unit="example"):
+        kept_nll, missing, old = still_to_score(done.get(example.uid, {}), weights, kept, scorers, budgets)
+        if missing is None:
+            continue
+        record = {
+            "uid": example.uid,
+            "source": example.source,
+            "prompt_tokens": len(example.prompt_ids),
+            "future_tokens": len(example.question_ids) + len(example.future_ids or []),
+            "nll": {**kept_nll, **score(example, missing)},
+            "policies": {**old["policies"], **weights},
+            "kept": kept,
+        }
+        done[example.uid] = record
+        with log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    return [done[e.uid] for e in examples]
+
+
+def write_summary(
+    stem: Path, records: list[dict], names: list[str], budgets: list, head: dict, intro: str
+) -> dict:
+    """Write ``stem.json`` (``head``, then the summary and paired rows) and ``stem.md`` (``intro``,
+    then their tables); print the tables and return the JSON's content."""
+    rows = summary_rows(records, names, budgets)
+    paired = paired_rows(records, names, budgets)
+    result = {**head, "rows": rows, "paired": paired}
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    table = markdown_summary(rows, names, budgets)
+    if paired:
+        table += "\n\n" + markdown_paired(paired, budgets)
+    stem.with_suffix(".md").write_text(f"{intro}\n\n{table}\n")
     print(table)
     return result
 

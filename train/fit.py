@@ -129,7 +129,7 @@ def validation_reward(agents: HeadAgents, batches: list[Batch]) -> tuple[float, 
     """Mean reward of the deterministic argsort ranking over validation batches (and per head)."""
     per_head = []
     for batch in batches:
-        scores = agents(batch.keys, batch.values, batch.positions)
+        scores = batch.scores(agents)
         valid = batch.valid[:, None, :].expand_as(scores)
         per_head.append(ranking_reward(rank_by_scores(scores, valid), batch.importance, valid))
     rewards = torch.cat(per_head)  # [samples, heads]

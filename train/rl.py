@@ -62,7 +62,7 @@ def reinforce_loss(
     agents: HeadAgents, batch: Batch, generator: torch.Generator, advantage_clip: float, permutations: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE-RLOO loss of one batch and the sampled rankings' mean reward per episode ``[batch, heads]``."""
-    scores = agents(batch.keys, batch.values, batch.positions)  # [b, h, n]
+    scores = batch.scores(agents)  # [problems, h, n]
     valid = batch.valid[:, None, :].expand_as(scores)
     shape = (permutations, *scores.shape)
     rankings = gumbel_sort(scores.expand(shape), generator)  # [k, b, h, n]

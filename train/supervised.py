@@ -77,6 +77,6 @@ def supervised_objective(
     loss: Callable[..., torch.Tensor], agents: HeadAgents, batch: Batch, generator: torch.Generator
 ) -> tuple[torch.Tensor, None]:
     """``(loss, None)`` of one batch: a supervised objective reports no sampled reward."""
-    scores = agents(batch.keys, batch.values, batch.positions)
+    scores = batch.scores(agents)
     valid = batch.valid[:, None, :].expand_as(scores)
     return loss(scores, batch.importance, valid, generator), None

@@ -16,6 +16,12 @@
   the target and its normalizer (they carry about half the mass, and the cache keeps them anyway);
 - ``value_attention``: ``value_importance``;
 - ``value_attention_evictable``: ``value_importance`` with the sinks and window zeroed, as above.
+
+Decode traces (``python -m train collect-decode``) store one target per eviction,
+:func:`kvp_cache.targets.decode_attention`: the attention each token read so far receives until the
+next eviction, with the cache's sinks and window (as of that eviction) zeroed when collected. Both
+``attention`` and ``attention_evictable`` rank against it as stored (its protected entries are
+already out, for the collection's ``--sinks``/``--window``); it has no value-weighted twin.
 """
 
 from __future__ import annotations
@@ -57,8 +63,19 @@ TARGETS: dict[str, Callable[[LayerSample, int, int], torch.Tensor]] = {
 }
 
 
+DECODE_TARGETS = ("attention", "attention_evictable")
+
+
 def target(name: str, sample: LayerSample, sinks: int = 4, window: int = 16) -> torch.Tensor:
-    """The importance ``[kv_heads, n]`` that ``fit`` ranks against, by target name."""
+    """The importance that ``fit`` ranks against, by target name: ``[kv_heads, n]``, or for a decode
+    sample ``[evictions, kv_heads, n]`` (its stored decode-time target, see the module docstring)."""
     if name not in TARGETS:
         raise ValueError(f"target must be one of {sorted(TARGETS)}, got {name!r}")
+    if sample.evictions is not None:
+        if name not in DECODE_TARGETS:
+            raise ValueError(
+                f"{sample.uid} is a decode trace: its target is the decode-time attention, so the target "
+                f"must be one of {DECODE_TARGETS}, got {name!r}"
+            )
+        return sample.importance
     return TARGETS[name](sample, sinks, window)

@@ -15,6 +15,15 @@ One file per (shard, layer) holds every sample of the shard concatenated along t
 - ``score.<method>``: ``[kv_heads, total_tokens]`` float32, query-aware baseline scores (held-out
   splits only).
 
+Decode traces (``python -m train collect-decode``, ``train/decode.py``) hold a whole sequence per
+sample (``keys``/``values`` of every token read) and, instead of ``importance``, the decode-time
+target (:func:`kvp_cache.targets.decode_attention`) compactly: ``decode_importance`` ``[kv_heads,
+sum_k evictions[k]]`` float16, per eviction ``k`` only the ``evictions[k]`` tokens read by then
+(later tokens are zero by definition), samples one after another. Each sample's ``meta.json``
+record lists its ``evictions`` (tokens read at each stored eviction) and ``forward_tokens`` (the
+forwards that read it: the prompt, then the decoded chunks), so training scores every token as it
+entered the cache.
+
 ``meta.json`` is written last, so a shard without it is unfinished and ``collect`` redoes it. It
 lists the shard's samples and the ``skipped`` ones (RULER samples the full cache answered wrong); a
 shard whose samples were all skipped has no layer files.
@@ -76,7 +85,13 @@ def write_shard(shard: Path, per_layer: list[dict[str, list[torch.Tensor]]], met
 @dataclass
 class LayerSample:
     """One sample of one layer. keys/values ``[kv_heads, n, head_dim]`` float16, importance and
-    value_importance ``[kv_heads, n]``, scores: method -> ``[kv_heads, n]``."""
+    value_importance ``[kv_heads, n]``, scores: method -> ``[kv_heads, n]``.
+
+    A decode sample (``evictions`` set) is one ranking problem per eviction: its importance is
+    ``[len(evictions), kv_heads, n]`` (problem ``k`` ranks tokens ``0 .. evictions[k] - 1``; zero
+    after), and ``forward_tokens`` (summing to ``n``) are the forwards its tokens entered with. A
+    prefill sample entered as one forward (``forward_tokens`` None).
+    """
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -85,6 +100,25 @@ class LayerSample:
     uid: str
     source: str
     value_importance: torch.Tensor | None = None
+    evictions: list[int] | None = None
+    forward_tokens: list[int] | None = None
+
+
+def decode_importance(packed: torch.Tensor, evictions: list[int], tokens: int) -> torch.Tensor:
+    """``[len(evictions), kv_heads, tokens]`` float32 from the packed ``[kv_heads, sum(evictions)]``
+    (each eviction's read prefix in turn, as ``decode_importance`` is stored)."""
+    dense = torch.zeros(len(evictions), packed.shape[0], tokens)
+    start = 0
+    for k, read in enumerate(evictions):
+        dense[k, :, :read] = packed[:, start : start + read].float()
+        start += read
+    return dense
+
+
+def pack_decode_importance(importance: torch.Tensor, evictions: list[int]) -> torch.Tensor:
+    """The stored form ``[kv_heads, sum(evictions)]`` float16 of ``importance`` ``[evictions,
+    kv_heads, T]`` (:func:`decode_importance` inverts it)."""
+    return torch.cat([importance[k, :, :read] for k, read in enumerate(evictions)], dim=1).half()
 
 
 class TraceSplit:
@@ -129,19 +163,29 @@ class TraceSplit:
                 names = list(f.keys())
                 tensors = {name: f.get_tensor(name) for name in names}
             offsets = tensors["offsets"].tolist()
+            packed_start = 0
             for i, info in enumerate(meta["samples"]):
                 a, b = offsets[i], offsets[i + 1]
                 scores = {n.split(".", 1)[1]: t[:, a:b] for n, t in tensors.items() if n.startswith("score.")}
                 value_importance = tensors.get("value_importance")
+                evictions = info.get("evictions")
+                if evictions is None:
+                    importance = tensors["importance"][:, a:b]
+                else:
+                    packed_end = packed_start + sum(evictions)
+                    packed = tensors["decode_importance"][:, packed_start:packed_end]
+                    importance, packed_start = decode_importance(packed, evictions, b - a), packed_end
                 out.append(
                     LayerSample(
                         tensors["keys"][:, a:b],
                         tensors["values"][:, a:b],
-                        tensors["importance"][:, a:b],
+                        importance,
                         scores,
                         info["uid"],
                         info["source"],
                         None if value_importance is None else value_importance[:, a:b],
+                        evictions,
+                        info.get("forward_tokens"),
                     )
                 )
         return out
