@@ -5,16 +5,18 @@ per-head cache (``allocation="head"``/``"layer"``) against the uniform cache and
                                                 [--budget 0.25] [--threads 1] [--json runs/alloc.json]
 
 SmolLM2 with its shipped policy reads the first ``--prompt-tokens`` tokens of the KJV corpus, then
-decodes ``--decode-tokens`` greedy tokens one forward at a time. Each cache runs in its own
-process, so its peak resident memory above the loaded model (Linux ``VmHWM``, reset after loading)
-is its own. Reported per cache:
+decodes ``--decode-tokens`` greedy tokens one forward at a time. For memory, each cache runs in its
+own process, so its peak resident memory above the loaded model (Linux ``VmHWM``, reset after
+loading) is its own. For speed, one process holds all four caches and decodes one token in each in
+turn, so a busy machine slows them alike. Reported per cache:
 
 - ``kv_bytes``: every tensor the cache holds after the prefill (``KVPCache.kv_bytes()``);
 - ``entry_bytes``: the keys and values of the entries it keeps, and ``overhead`` = ``kv_bytes /
   entry_bytes - 1`` (validity, stored scores, counters; for the ragged cache also the padding, of
   which there is none);
 - ``peak_mib``: the process's peak resident memory during prefill and decoding, above the model;
-- ``prefill_s`` and ``decode_tok_s`` (median step), and the ratios to ``DynamicCache`` and uniform.
+- ``prefill_s`` (in its own process) and ``decode_tok_s`` (median step, interleaved), and the ratios
+  to ``DynamicCache`` and uniform.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `python bench/x.py` also imports eval/
 from eval.realtext import corpus_tokens  # noqa: E402
 from kvp_cache import KVPCache
+from kvp_cache.cache import cache_bytes
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.provenance import provenance
@@ -63,18 +67,21 @@ def entry_bytes(cache) -> int:
     """Bytes of the keys and values alone (what any layout must hold for the kept entries)."""
     total = 0
     for layer in cache.layers:
-        for tensors in (layer.keys, layer.values):
-            for t in tensors if isinstance(tensors, list) else [tensors]:
-                total += t.numel() * t.element_size()
+        for t in (layer.keys, layer.values):
+            total += t.numel() * t.element_size()
     return total
 
 
-@torch.no_grad()
-def run_one(name: str, prompt_tokens: int, decode_tokens: int, budget: float, threads: int) -> dict:
-    """One cache in this process: prefill, then ``decode_tokens`` single-token forwards."""
+def load(prompt_tokens: int, threads: int):
     torch.set_num_threads(threads)
     model, tokenizer = load_model("smollm2")
-    prompt = corpus_tokens("kjv", tokenizer)[None, :prompt_tokens]
+    return model, corpus_tokens("kjv", tokenizer)[None, :prompt_tokens]
+
+
+@torch.no_grad()
+def memory_of(name: str, prompt_tokens: int, decode_tokens: int, budget: float, threads: int) -> dict:
+    """One cache alone in this process: its bytes and the peak memory of prefill and decoding."""
+    model, prompt = load(prompt_tokens, threads)
     cache = make_cache(model, name, budget)
     kwargs = {cache_kwarg(model): cache}
     base_kib = resident_kib("VmRSS")
@@ -82,20 +89,13 @@ def run_one(name: str, prompt_tokens: int, decode_tokens: int, budget: float, th
     start = time.perf_counter()
     token = model(prompt, logits_to_keep=1, **kwargs).logits[:, -1:].argmax(-1)
     prefill_s = time.perf_counter() - start
-    kv = KVPCache.kv_bytes(cache) if isinstance(cache, KVPCache) else _dynamic_bytes(cache)
-    kept = entry_bytes(cache)
-    steps = []
+    kv, kept = cache_bytes(cache), entry_bytes(cache)
     for _ in range(decode_tokens):
-        start = time.perf_counter()
         token = model(token, **kwargs).logits[:, -1:].argmax(-1)
-        steps.append(time.perf_counter() - start)
-    counts = None
-    if name in ("layer", "head"):
-        counts = [[k.shape[1] for k in layer.keys] for layer in cache.evicting_layers]
+    counts = [list(layer.lengths) for layer in cache.evicting_layers] if name in ("layer", "head") else None
     return {
         "cache": name,
         "prefill_s": prefill_s,
-        "decode_tok_s": 1 / statistics.median(steps),
         "kv_bytes": kv,
         "entry_bytes": kept,
         "overhead": kv / kept - 1,
@@ -104,10 +104,24 @@ def run_one(name: str, prompt_tokens: int, decode_tokens: int, budget: float, th
     }
 
 
-def _dynamic_bytes(cache) -> int:
-    from kvp_cache.cache import cache_bytes
-
-    return cache_bytes(cache)
+@torch.no_grad()
+def interleaved_speed(
+    prompt_tokens: int, decode_tokens: int, budget: float, threads: int
+) -> dict[str, float]:
+    """Decoded tokens per second of every cache (median step), one step of each in turn."""
+    model, prompt = load(prompt_tokens, threads)
+    caches = {name: make_cache(model, name, budget) for name in CACHES}
+    tokens = {
+        name: model(prompt, logits_to_keep=1, **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+        for name, cache in caches.items()
+    }
+    steps = {name: [] for name in CACHES}
+    for _ in tqdm(range(decode_tokens), desc="interleaved decoding", unit="tok"):
+        for name, cache in caches.items():
+            start = time.perf_counter()
+            tokens[name] = model(tokens[name], **{cache_kwarg(model): cache}).logits[:, -1:].argmax(-1)
+            steps[name].append(time.perf_counter() - start)
+    return {name: 1 / statistics.median(times) for name, times in steps.items()}
 
 
 def table(rows: dict[str, dict]) -> str:
@@ -145,16 +159,18 @@ def main(argv=None) -> None:
     settings = [str(args.prompt_tokens), str(args.decode_tokens), str(args.budget), str(args.threads)]
     if args.one:
         print(
-            json.dumps(run_one(args.one, args.prompt_tokens, args.decode_tokens, args.budget, args.threads))
+            json.dumps(memory_of(args.one, args.prompt_tokens, args.decode_tokens, args.budget, args.threads))
         )
         return
     rows = {}
-    for name in CACHES:
+    for name in tqdm(CACHES, desc="memory, one process per cache"):
         child = [sys.executable, __file__, "--one", name, "--prompt-tokens", settings[0]]
         child += ["--decode-tokens", settings[1], "--budget", settings[2], "--threads", settings[3]]
         out = subprocess.run(child, check=True, capture_output=True, text=True).stdout
         rows[name] = json.loads(out.strip().splitlines()[-1])
-        print(f"{name}: {rows[name]['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+    speed = interleaved_speed(args.prompt_tokens, args.decode_tokens, args.budget, args.threads)
+    for name, tokens_per_s in speed.items():
+        rows[name]["decode_tok_s"] = tokens_per_s
     print(
         f"SmolLM2, {args.prompt_tokens}-token KJV prompt, budget {args.budget}, {args.decode_tokens} decoded "
         f"tokens, {args.threads} thread(s):"

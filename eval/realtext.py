@@ -88,7 +88,7 @@ def continuation_nll(
     cache under ``max_cache_tokens`` evicts between them as while decoding (each token attends to
     the cache as it stood at its chunk's start plus the chunk's earlier tokens).
     """
-    rows = cache_rows(cache)
+    rows = cache.layers[0].keys.shape[0]
     target = continuation.expand(rows, -1)
     first = F.cross_entropy(prefilled.next_token_logits.expand(rows, -1), target[:, 0], reduction="none")
     losses = [first[:, None]]
@@ -100,9 +100,3 @@ def continuation_nll(
             F.cross_entropy(logits.transpose(1, 2), target[:, start + 1 : end + 1], reduction="none")
         )
     return torch.cat(losses, dim=1)[:, -(scored or target.shape[1]) :].mean(-1)
-
-
-def cache_rows(cache) -> int:
-    """The batch size of a cache's states (a ragged layer keeps one tensor per KV head)."""
-    keys = cache.layers[0].keys
-    return (keys[0] if isinstance(keys, list) else keys).shape[0]

@@ -355,12 +355,8 @@ class EvictingLayer(DynamicLayer):
 
 def layer_bytes(layer) -> int:
     """Bytes of one cache layer's per-row tensors (any transformers layer): keys, values and, for an
-    evicting layer, its per-slot metadata (validity, stored scores, tracked positions), per head
-    for a ragged layer."""
-    tensors = []
-    for name in EvictingLayer.BATCH_FIELDS:
-        value = getattr(layer, name, None)
-        tensors.extend(value if isinstance(value, list) else [value])
+    evicting layer, its per-slot metadata (validity, stored scores, tracked positions)."""
+    tensors = (getattr(layer, name, None) for name in EvictingLayer.BATCH_FIELDS)
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -647,7 +643,7 @@ class KVPCache(Cache):
         layers = [layer for layer in layers if layer.is_initialized and layer.pending_forward]
         if not layers:
             return
-        heads = sum(len(layer.keys) for layer in layers)
+        heads = sum(len(layer.lengths) for layer in layers)
         real_per_head = sum(layer.real_entries().sum(-1) for layer in layers) // heads
         due = [layer._kept_after(layer.pending_forward, real_per_head) for layer in layers]
         for layer in layers:

@@ -3,10 +3,10 @@
 With ``KVPCache(model, ..., allocation="layer" | "head")`` one ranking over every (layer, head,
 entry) decides how many entries each KV head keeps (:mod:`kvp_cache.allocation`). A
 ``[batch, kv_heads, slots, head_dim]`` tensor would pad every head to the longest one, so a
-:class:`RaggedLayer` stores each head on its own: ``keys[h]``/``values[h]`` ``[batch, slots_h,
-head_dim]`` and ``valid[h]`` ``[batch, slots_h]`` (False on padding of a padded batch). The bytes held
-are the allocated entries plus one validity byte (and, for ``per_token`` scorers, one float32 score)
-per entry.
+:class:`RaggedLayer` packs the heads one after another along the slot axis: ``keys``/``values``
+``[batch, slots, head_dim]`` with ``lengths[h]`` slots per head, and ``valid`` ``[batch, slots]``
+(False on padding of a padded batch). The bytes held are the allocated entries plus one validity
+byte (and, for ``per_token`` scorers, one float32 score) per entry.
 
 Attention reads the heads where they are: while a forward of the hooked model runs, the model's
 attention implementation is :data:`RAGGED_ATTENTION`, whose function runs SDPA once per KV head
@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvp_cache.budget import protected_entries
 from kvp_cache.cache import EvictingLayer, select_slots
-from kvp_cache.capture import append_queries, drop_last_queries, map_query_batch
+from kvp_cache.capture import append_queries, drop_last_queries
 
 if TYPE_CHECKING:
     from kvp_cache.cache import KVPCache
@@ -42,25 +42,46 @@ ACTIVE_CACHE: ContextVar[KVPCache | None] = ContextVar("kvp_active_ragged_cache"
 class RaggedLayer(EvictingLayer):
     """An evicting layer whose KV heads keep different numbers of entries (see the module docstring).
 
-    The per-row fields of :class:`~kvp_cache.cache.EvictingLayer` become one tensor per head:
-    ``keys``/``values`` lists of ``[batch, slots_h, head_dim]``, ``valid``, ``scores`` and
-    ``positions`` lists of ``[batch, slots_h]``; ``seen_real`` stays ``[batch]``. New tokens enter
-    every head at its end, so the entries appended since the last eviction are the same last
-    ``appended_since_eviction`` slots of every head. The layer never evicts by itself: the cache
-    calls :meth:`scores_for_allocation` and :meth:`keep` on all its layers together.
+    The per-row fields of :class:`~kvp_cache.cache.EvictingLayer` are packed head after head along
+    one slot axis: ``keys``/``values`` ``[batch, slots, head_dim]``, ``valid``, ``scores`` and
+    ``positions`` ``[batch, slots]``, where head ``h`` holds ``lengths[h]`` slots starting at
+    ``sum(lengths[:h])``; ``seen_real`` stays ``[batch]``. New tokens enter every head at its end,
+    so the entries appended since the last eviction are the same last ``appended_since_eviction``
+    slots of every head. The layer never evicts by itself: the cache calls
+    :meth:`scores_for_allocation` and :meth:`keep` on all its layers together.
     """
+
+    PACKED_FIELDS = ("keys", "values", "valid", "scores", "positions")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         super().lazy_initialization(key_states, value_states)
-        heads = range(key_states.shape[1])
-        self.keys = [self.keys[:, i] for i in heads]
-        self.values = [self.values[:, i] for i in heads]
-        self.valid = [self.valid for _ in heads]
+        self.keys, self.values = self.keys[:, 0], self.values[:, 0]  # [batch, 0, head_dim]
         if self.scores is not None:
-            self.scores = [self.scores[:, i] for i in heads]
+            self.scores = self.scores[:, 0]
         if self.positions is not None:
-            self.positions = [self.positions[:, i] for i in heads]
+            self.positions = self.positions[:, 0]
+        self.lengths = [0] * key_states.shape[1]
         self.pending_forward = 0  # tokens of the forward whose eviction, if due, is still to come
+        self.holds_padding = False  # some slot of some row is padding: attention needs a mask per head
+
+    def head_slices(self) -> list[slice]:
+        """Where each head's slots lie along the packed slot axis."""
+        starts = [sum(self.lengths[:h]) for h in range(len(self.lengths))]
+        return [slice(start, start + n) for start, n in zip(starts, self.lengths, strict=True)]
+
+    def heads(self, name: str) -> list[torch.Tensor]:
+        """Field ``name`` split per head: views ``[batch, lengths[h], ...]``."""
+        packed = getattr(self, name)
+        return [packed[:, where] for where in self.head_slices()]
+
+    def _pack(self, pieces: dict[str, list[torch.Tensor]], lengths: list[int]) -> None:
+        """Each field of ``pieces`` becomes the concatenation of its pieces; heads get ``lengths``."""
+        for name, tensors in pieces.items():
+            setattr(self, name, torch.cat(tensors, dim=1))
+        self.lengths = lengths
+
+    def _fields(self) -> list[str]:
+        return [name for name in self.PACKED_FIELDS if getattr(self, name) is not None]
 
     def _ingest(self, key_states, value_states, new_real, queries):
         """Append the forward's states (``[batch, kv_heads, q, head_dim]``); the eviction, if due,
@@ -73,21 +94,23 @@ class RaggedLayer(EvictingLayer):
         if new_real is None or new_real.shape != (b, q):
             new_real = torch.ones(b, q, dtype=torch.bool, device=self.device)
         new_real = new_real.to(self.device)
-        new_scores = None
+        self.holds_padding = self.holds_padding or not bool(new_real.all())
+        new = {"keys": key_states, "values": value_states, "valid": new_real[:, None].expand(b, h, q)}
         if self.scores is not None:
             positions = (self.seen_real[:, None] + new_real.long().cumsum(-1) - 1).masked_fill(~new_real, -1)
-            new_scores = self._score_at_entry(key_states, value_states, positions) if q > 1 else None
-            if new_scores is None:
-                new_scores = torch.full((b, h, q), float("nan"), device=self.device)
-        new_positions = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
-        for i in range(h):
-            self.keys[i] = torch.cat([self.keys[i], key_states[:, i]], dim=-2)
-            self.values[i] = torch.cat([self.values[i], value_states[:, i]], dim=-2)
-            self.valid[i] = torch.cat([self.valid[i], new_real], dim=-1)
-            if new_scores is not None:
-                self.scores[i] = torch.cat([self.scores[i], new_scores[:, i]], dim=-1)
-            if self.positions is not None:
-                self.positions[i] = torch.cat([self.positions[i], new_positions.expand(b, q)], dim=-1)
+            scores = self._score_at_entry(key_states, value_states, positions) if q > 1 else None
+            new["scores"] = (
+                scores if scores is not None else torch.full((b, h, q), float("nan"), device=self.device)
+            )
+        if self.positions is not None:
+            logical = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
+            new["positions"] = logical.expand(b, h, q)
+        # One concatenation per field: each head's slots, then its new ones.
+        pieces = {
+            name: [piece for i, old in enumerate(self.heads(name)) for piece in (old, added[:, i])]
+            for name, added in new.items()
+        }
+        self._pack(pieces, [n + q for n in self.lengths])
         self.seen_real = self.seen_real + new_real.sum(-1)
         self.cumulative_length += q
         self.appended_since_eviction += q
@@ -96,93 +119,100 @@ class RaggedLayer(EvictingLayer):
 
     def real_entries(self) -> torch.Tensor:
         """``[batch, kv_heads]`` real entries each head holds."""
-        return torch.stack([v.sum(-1) for v in self.valid], dim=-1)
+        return torch.stack([v.sum(-1) for v in self.heads("valid")], dim=-1)
 
-    def padded(self, tensors: list[torch.Tensor], fill) -> torch.Tensor:
-        """The per-head ``[batch, slots_h, ...]`` tensors right-padded with ``fill`` and stacked:
-        ``[batch, kv_heads, max slots_h, ...]``. Only for eviction and inspection, never per step."""
-        slots = max(t.shape[1] for t in tensors)
+    def padded(self, name: str, fill) -> torch.Tensor:
+        """Field ``name`` per head, right-padded with ``fill`` to the longest head:
+        ``[batch, kv_heads, max lengths, ...]``. Only for eviction and inspection, never per step."""
+        tensors = self.heads(name)
+        slots = max(self.lengths)
         return torch.stack(
             [F.pad(t, (0, 0) * (t.dim() - 2) + (0, slots - t.shape[1]), value=fill) for t in tensors], dim=1
         )
 
     def scores_for_allocation(self, kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(scores, valid, protected)``, each ``[batch, kv_heads, max slots_h]``, for keeping
+        """``(scores, valid, protected)``, each ``[batch, kv_heads, max lengths]``, for keeping
         ``kept`` (``[batch]``) entries per head on average: the scorer's cross-head scores, which
         slots hold a real entry, and which are the head's protected sinks and window."""
         s = self.settings
-        valid = self.padded(self.valid, False)
+        valid = self.padded("valid", False)
         positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
         with torch.no_grad():
-            raw = self._raw_scores(valid, positions)
+            raw = self._raw_scores(positions)
             scores = s.scorer.cross_head_scores(raw.float(), valid, self.layer_idx).float()
         protected = protected_entries(positions, valid.sum(-1), kept, s.sink_tokens, s.window_tokens)
         return scores.masked_fill(~valid, float("-inf")), valid, protected & valid
 
-    def _raw_scores(self, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[batch, kv_heads, max slots_h]`` scores from the scorer (stored ones for ``per_token``)."""
+    def _raw_scores(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[batch, kv_heads, max lengths]`` scores from the scorer (stored ones for ``per_token``);
+        positions: ``[batch, kv_heads, max lengths]`` index among the head's real entries."""
         s = self.settings
         queries, self.recent_queries = self.recent_queries, drop_last_queries(self.recent_queries, None)
         if self.scores is not None:
             self._score_pending()
-            return self.padded(self.scores, float("-inf"))
+            return self.padded("scores", float("-inf"))
         if (
             self.cumulative_length == self.appended_since_eviction
         ):  # no eviction yet: heads hold the same entries
-            keys, values = torch.stack(self.keys, 1), torch.stack(self.values, 1)
+            keys, values = (torch.stack(self.heads(name), 1) for name in ("keys", "values"))
             return s.scorer.score(keys, values, positions[:, 0], queries, self.layer_idx)
         # Heads hold different entries: score each head on its own entries, repeated over the
         # heads so the scorer sees its usual shape, and keep that head's row of the result.
-        heads = []
-        for i, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-            n = k.shape[1]
-            repeated = [t[:, None].expand(-1, len(self.keys), -1, -1) for t in (k, v)]
-            row = s.scorer.score(*repeated, positions[:, i, :n], queries, self.layer_idx)[:, i]
-            heads.append(row)
-        return self.padded(heads, float("-inf"))
+        rows = []
+        for i, (k, v) in enumerate(zip(self.heads("keys"), self.heads("values"), strict=True)):
+            repeated = [t[:, None].expand(-1, len(self.lengths), -1, -1) for t in (k, v)]
+            rows.append(
+                s.scorer.score(*repeated, positions[:, i, : k.shape[1]], queries, self.layer_idx)[:, i]
+            )
+        slots = max(self.lengths)
+        return torch.stack([F.pad(r, (0, slots - r.shape[1]), value=float("-inf")) for r in rows], dim=1)
 
     def _score_pending(self) -> None:
         """Score the decoded tokens still waiting (NaN): the same last slots of every head."""
-        waiting = int(self.scores[0][0].isnan().sum())
+        waiting = int(self.heads("scores")[0][0].isnan().sum())
         if waiting == 0:
             return
-        tail = slice(-waiting, None)
-        valid = self.valid[0]
+        tails = [slice(where.stop - waiting, where.stop) for where in self.head_slices()]
+        valid = self.heads("valid")[0]
         real_from_here = valid.flip(-1).long().cumsum(-1).flip(-1)
-        positions = (self.seen_real[:, None] - real_from_here).masked_fill(~valid, -1)[:, tail]
-        keys = torch.stack([k[:, tail] for k in self.keys], 1)
-        values = torch.stack([v[:, tail] for v in self.values], 1)
+        positions = (self.seen_real[:, None] - real_from_here).masked_fill(~valid, -1)[:, -waiting:]
+        keys, values = (
+            torch.stack([getattr(self, name)[:, t] for t in tails], 1) for name in ("keys", "values")
+        )
         scores = self._score_one_token_rows(keys, values, positions)
-        for i in range(len(self.scores)):
-            self.scores[i][:, tail] = scores[:, i]
+        for i, tail in enumerate(tails):
+            self.scores[:, tail] = scores[:, i]
 
     def keep(self, counts: torch.Tensor, ranks: torch.Tensor) -> None:
         """Keep the ``counts[row, h]`` entries of rank ``< counts`` in each head, in their order.
 
-        counts: ``[batch, kv_heads]``; ranks: ``[batch, kv_heads, max slots_h]`` from
+        counts: ``[batch, kv_heads]``; ranks: ``[batch, kv_heads, max lengths]`` from
         :func:`kvp_cache.allocation.entry_ranks` (valid entries before invalid ones)."""
         self.appended_since_eviction = 0
         self.pending_forward = 0
-        for i in range(len(self.keys)):
-            n = self.keys[i].shape[1]
+        fields = self._fields()
+        pieces = {name: [] for name in fields}
+        lengths = []
+        for i, (where, valid) in enumerate(zip(self.head_slices(), self.heads("valid"), strict=True)):
             kept = counts[:, i]
             slots = int(kept.max())
-            if slots == n and bool(self.valid[i].all()):
-                continue
-            index = select_slots(-ranks[:, i : i + 1, :n].float(), self.valid[i], kept, slots)[:, 0]
-            gather = index[..., None].expand(-1, -1, self.keys[i].shape[-1])
-            self.keys[i] = self.keys[i].gather(1, gather)
-            self.values[i] = self.values[i].gather(1, gather)
-            self.valid[i] = torch.arange(slots, device=self.device)[None, :] >= (slots - kept)[:, None]
-            for name in ("scores", "positions"):
-                tensors = getattr(self, name)
-                if tensors is not None:
-                    tensors[i] = tensors[i].gather(1, index)
+            index = select_slots(-ranks[:, i : i + 1, : valid.shape[1]].float(), valid, kept, slots)[:, 0]
+            for name in fields:
+                head = getattr(self, name)[:, where]
+                if name == "valid":
+                    head = torch.arange(slots, device=self.device)[None, :] >= (slots - kept)[:, None]
+                elif head.dim() == 3:
+                    head = head.gather(1, index[..., None].expand(-1, -1, head.shape[-1]))
+                else:
+                    head = head.gather(1, index)
+                pieces[name].append(head)
+            lengths.append(slots)
+        self._pack(pieces, lengths)
 
     def kept_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(positions, valid)``, each ``[batch, kv_heads, max slots_h]``: the logical position of
+        """``(positions, valid)``, each ``[batch, kv_heads, max lengths]``: the logical position of
         every kept entry (needs ``track_positions=True``) and whether the slot holds a real one."""
-        return self.padded(self.positions, 0), self.padded(self.valid, False)
+        return self.padded("positions", 0), self.padded("valid", False)
 
     def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
         # The model's mask only covers the forward's own tokens; the ragged attention adds each head's past.
@@ -190,7 +220,7 @@ class RaggedLayer(EvictingLayer):
         return q, self.cumulative_length
 
     def physical_length(self) -> int:
-        return max(k.shape[1] for k in self.keys) if self.is_initialized else 0
+        return max(self.lengths) if self.is_initialized else 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end; only tokens appended since the last eviction can be removed."""
@@ -202,24 +232,12 @@ class RaggedLayer(EvictingLayer):
                 f"crop: cannot remove {n} tokens, only the {self.appended_since_eviction} appended since the "
                 "last eviction are still stored in order; evicted tokens cannot be restored."
             )
-        self.seen_real = self.seen_real - self.valid[0][:, -n:].sum(-1)
-        for name in ("keys", "values", "valid", "scores", "positions"):
-            tensors = getattr(self, name)
-            if tensors is not None:
-                setattr(self, name, [t[:, :-n] for t in tensors])
+        self.seen_real = self.seen_real - self.heads("valid")[0][:, -n:].sum(-1)
+        pieces = {name: [head[:, :-n] for head in self.heads(name)] for name in self._fields()}
+        self._pack(pieces, [length - n for length in self.lengths])
         self.recent_queries = drop_last_queries(self.recent_queries, n)
         self.cumulative_length -= n
         self.appended_since_eviction -= n
-
-    def _map_batch(self, fn) -> None:
-        for name in self.BATCH_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, list):
-                setattr(self, name, [fn(t) for t in value])
-            elif value is not None:
-                setattr(self, name, fn(value))
-        if self.recent_queries is not None:
-            self.recent_queries = map_query_batch(self.recent_queries, fn)
 
 
 def ragged_attention(
@@ -248,18 +266,24 @@ def ragged_attention(
     if kwargs.get("softcap") is not None:
         raise ValueError("allocation='layer'/'head' does not support attention logit soft-capping")
     b, q_heads, q, _ = query.shape
-    heads = len(layer.keys)
+    heads = len(layer.lengths)
     group = q_heads // heads
     new = _new_token_mask(attention_mask, b, q, query.device)
     outputs = []
-    for i in range(heads):
-        keys, values, valid = layer.keys[i], layer.values[i], layer.valid[i]
+    for i, where in enumerate(layer.head_slices()):
+        keys, values = layer.keys[:, where], layer.values[:, where]
         past = keys.shape[1] - q
-        mask = None
-        if new is not None or not bool(valid[:, :past].all()):
-            past_mask = valid[:, None, None, :past].expand(b, 1, q, past)
+        mask, causal = None, False
+        if layer.holds_padding or new is not None:
+            past_mask = layer.valid[:, where][:, None, None, :past].expand(b, 1, q, past).to(query.device)
             new_mask = new if new is not None else _causal(q, query.device).expand(b, 1, q, q)
-            mask = torch.cat([past_mask.to(query.device), new_mask], dim=-1)
+            mask = torch.cat([past_mask, new_mask], dim=-1)
+        elif q > 1 and past == 0:
+            causal = True  # a prefill with nothing cached: SDPA's own causal path, no mask tensor
+        elif q > 1:
+            mask = torch.cat(
+                [torch.ones(q, past, dtype=torch.bool, device=query.device), _causal(q, query.device)], -1
+            )
         outputs.append(
             F.scaled_dot_product_attention(
                 query[:, i * group : (i + 1) * group],
@@ -267,7 +291,7 @@ def ragged_attention(
                 values[:, None],
                 attn_mask=mask,
                 scale=scaling,
-                is_causal=False,
+                is_causal=causal,
                 enable_gqa=True,
             )
         )
@@ -275,12 +299,12 @@ def ragged_attention(
 
 
 def _new_token_mask(attention_mask: torch.Tensor | None, batch: int, q: int, device) -> torch.Tensor | None:
-    """``[batch, 1, q, q]`` bool mask among the forward's tokens (None: causal, or a single token).
+    """``[batch, 1, q, q]`` bool mask among the forward's tokens from the model's mask (None: causal).
 
     A token always sees itself, so no row is empty (a padding token's output is unused anyway, and an
     empty row would be NaN in SDPA and reach the cache as NaN keys)."""
     if attention_mask is None:
-        return None if q == 1 else _causal(q, device).expand(batch, 1, q, q)
+        return None
     mask = attention_mask[..., -q:]
     if mask.dtype != torch.bool:  # an additive float mask
         mask = mask == 0
