@@ -322,15 +322,19 @@ class EvictingLayer(DynamicLayer):
                 f"crop: cannot remove {n} tokens, only the {self.appended_since_eviction} appended since the "
                 "last eviction are still stored in order; evicted tokens cannot be restored."
             )
+        self._drop_last_slots(n)
+        self.recent_queries = drop_last_queries(self.recent_queries, n)
+        self.cumulative_length -= n
+        self.appended_since_eviction -= n
+
+    def _drop_last_slots(self, n: int) -> None:
+        """Remove the last ``n`` slots of every head (the newest tokens) and their metadata."""
         self.seen_real = self.seen_real - self.valid[:, -n:].sum(-1)
         self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
         self.valid = self.valid[:, :-n]
         for name in ("scores", "positions"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[..., :-n])
-        self.recent_queries = drop_last_queries(self.recent_queries, n)
-        self.cumulative_length -= n
-        self.appended_since_eviction -= n
 
     def _map_batch(self, fn) -> None:
         for name in self.BATCH_FIELDS:

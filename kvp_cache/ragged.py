@@ -222,22 +222,10 @@ class RaggedLayer(EvictingLayer):
     def physical_length(self) -> int:
         return max(self.lengths) if self.is_initialized else 0
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove tokens from the end; only tokens appended since the last eviction can be removed."""
-        n = self.cumulative_length - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
-        if n == 0 or not self.is_initialized:
-            return
-        if n > self.appended_since_eviction:
-            raise ValueError(
-                f"crop: cannot remove {n} tokens, only the {self.appended_since_eviction} appended since the "
-                "last eviction are still stored in order; evicted tokens cannot be restored."
-            )
+    def _drop_last_slots(self, n: int) -> None:
         self.seen_real = self.seen_real - self.heads("valid")[0][:, -n:].sum(-1)
         pieces = {name: [head[:, :-n] for head in self.heads(name)] for name in self._fields()}
         self._pack(pieces, [length - n for length in self.lengths])
-        self.recent_queries = drop_last_queries(self.recent_queries, n)
-        self.cumulative_length -= n
-        self.appended_since_eviction -= n
 
 
 def ragged_attention(
