@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import sys
 
+from kvp_cache.allocation import MODES
 from kvp_cache.budget import parse_budget
 from kvp_cache.models import MODELS
 
@@ -27,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", choices=sorted(MODELS), default="smollm2", help="offline model to run (default smollm2)"
     )
     demo.add_argument("--budget", type=parse_budget, default=0.25, help="fraction kept (0, 1] or tokens kept")
+    demo.add_argument(
+        "--allocation",
+        choices=MODES,
+        default="uniform",
+        help="how the budget is split over KV heads: the same share each (uniform, default), or by one "
+        "ranking over all heads (head) or layers (layer)",
+    )
     add_protected_tokens_arguments(demo)
     demo.add_argument(
         "--context-tokens", type=int, default=2048, help="haystack size in tokens (default 2048)"
@@ -67,6 +75,7 @@ def _demo(args: argparse.Namespace) -> int:
             method=args.method,
             policy=args.policy,
             budget=args.budget,
+            allocation=args.allocation,
             sink_tokens=args.sink_tokens,
             window_tokens=args.window_tokens,
             model_name=args.model,

@@ -109,6 +109,7 @@ def run_demo(
     budget: Budget = 0.25,
     sink_tokens: int = 4,
     window_tokens: int = 16,
+    allocation: str = "uniform",
     model_name: str = "smollm2",
     context_tokens: int = 2048,
     max_new_tokens: int = 32,
@@ -120,7 +121,7 @@ def run_demo(
     """Answer one ``niah_single`` sample with a full cache and with a compressed one.
 
     method / policy: at most one; by default the KVP policy shipped for the model.
-    budget, sink_tokens, window_tokens: as in :class:`~kvp_cache.KVPCache`.
+    budget, sink_tokens, window_tokens, allocation: as in :class:`~kvp_cache.KVPCache`.
     model_name: a name of :data:`kvp_cache.models.MODELS` (or a transformers directory / Hub id);
         it also decides the prompt format (chat template or plain text).
     essays: a directory of essays (``*.txt``) for the haystack; by default RULER's noise sentences.
@@ -156,12 +157,16 @@ def run_demo(
         model, tokenizer, input_ids, full_cache, max_new_tokens, "full cache"
     )
     options = dict(budget=budget, sink_tokens=sink_tokens, window_tokens=window_tokens)
+    if allocation != "uniform":
+        options["allocation"] = allocation
     if policy is not None:
         cache = KVPCache(model, method="kvp", policy=policy, **options)
         label = f"kvp:{policy}"
     else:
         cache = KVPCache(model, method=method, **options)
         label = method
+    if allocation != "uniform":
+        label += f", allocation {allocation}"
     answer, seconds = _generate(
         model, tokenizer, input_ids, cache, max_new_tokens, f"{label}, budget {budget}"
     )

@@ -76,6 +76,13 @@ def test_cli_passes_model_and_cache_options(monkeypatch, capsys):
     assert "stop here" in capsys.readouterr().err
     assert seen["model_name"] == "gemma3-270m" and seen["method"] == "snapkv" and seen["policy"] is None
     assert (seen["sink_tokens"], seen["window_tokens"], seen["budget"]) == (2, 8, 300)
+    assert seen["allocation"] == "uniform"
+    assert cli.main(["demo", "--policy", "smollm2-135m-instruct", "--allocation", "head"]) == 2
+    assert seen["allocation"] == "head" and seen["policy"] == "smollm2-135m-instruct"
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--allocation", "global"])
+    assert "invalid choice: 'global'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["demo", "--model", "gpt2"])
     assert "invalid choice" in capsys.readouterr().err
@@ -110,6 +117,18 @@ def test_run_demo_on_a_tiny_model_builds_the_cache_with_every_option(monkeypatch
     # Half of the prompt is evicted from both layers, so the compressed cache holds less.
     assert 0.4 < result.kv_ratio < 0.7
     assert result.prompt_tokens >= 200 and result.method == "knorm"
+    built.clear()
+    result = demo.run_demo(
+        method="snapkv",
+        budget=0.25,
+        allocation="head",
+        context_tokens=200,
+        max_new_tokens=3,
+        model=model,
+        tokenizer=smollm2_tokenizer,
+    )
+    assert built == [dict(method="snapkv", budget=0.25, sink_tokens=4, window_tokens=16, allocation="head")]
+    assert result.method == "snapkv, allocation head" and 0.2 < result.kv_ratio < 0.4
 
 
 def test_cli_arguments(capsys):
