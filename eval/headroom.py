@@ -454,11 +454,8 @@ def run_headroom(
         records.append(record)
     policy = scorer.policy if config.scores != ORACLE and SCORER_OF[config.scores] == "kvp" else None
     dtype = str(next(model.parameters()).dtype)
-    record = provenance(config.model, dtype, "cpu", policy=policy, command=command)
-    if config.scores == "kvp_calibrated":
-        record["policy"]["calibration_sha256"] = policy.calibration_sha256
     result = {
-        "provenance": record,
+        "provenance": provenance(config.model, dtype, "cpu", policy=policy, command=command),
         "config": portable_config(config),
         "modes": list(MODES),
         "reference": REFERENCE,

@@ -133,8 +133,8 @@ def _version(package: str) -> str | None:
 
 
 def policy_record(policy) -> dict:
-    """Name, weights sha256 and training record of a :class:`~kvp_cache.policy.KVPolicy`, or of a
-    shipped name, directory or Hub id (loaded to read them)."""
+    """Name, weights sha256, calibration sha256 (None without one) and training record of a
+    :class:`~kvp_cache.policy.KVPolicy`, or of a shipped name, directory or Hub id (loaded to read them)."""
     from kvp_cache.policy import KVPolicy, load_policy
 
     if not isinstance(policy, KVPolicy):
@@ -142,7 +142,12 @@ def policy_record(policy) -> dict:
     sha256 = getattr(policy, "weights_sha256", None)
     if sha256 is None:
         raise ValueError("this policy was not loaded from a safetensors file: save it and load it back first")
-    return {"name": portable_argument(str(policy.source)), "sha256": sha256, "training": policy.training_info}
+    return {
+        "name": portable_argument(str(policy.source)),
+        "sha256": sha256,
+        "calibration_sha256": getattr(policy, "calibration_sha256", None),
+        "training": policy.training_info,
+    }
 
 
 def provenance(
