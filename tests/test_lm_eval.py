@@ -238,6 +238,19 @@ def test_max_cache_tokens_bounds_the_answer(tiny_dir, monkeypatch):
         make_lm(KVPLM, tiny_dir, max_cache_tokens=3)
 
 
+def test_allocation_model_arg(tiny_dir):
+    lm = make_lm(KVPLM, tiny_dir, method="snapkv", budget=0.3, allocation="head", min_per_head=3)
+    assert lm.get_model_info()["kvp"]["allocation"] == "head"
+    cache = lm.new_cache()
+    assert (cache.settings.allocation, cache.settings.min_per_head) == ("head", 3)
+    got = lm.generate_until(gen_requests([HEAD + SPLIT_MARKER + QUESTION]))[0]
+    assert isinstance(got, str)
+    with pytest.raises(ValueError, match="not comparable across heads"):
+        make_lm(KVPLM, tiny_dir, method="knorm", allocation="head")
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        make_lm(KVPLM, tiny_dir, method="snapkv", allocation="global")
+
+
 def test_split_at_marker():
     assert split_at_marker("no marker") is None
     assert split_at_marker(f"a{SPLIT_MARKER}b{SPLIT_MARKER}c") == ("ab", "abc")

@@ -103,6 +103,8 @@ class KVPLM(HFLM):
         window_tokens: int = 16,
         max_cache_tokens: int | None = None,
         evict_every: int = 64,
+        allocation: str = "uniform",
+        min_per_head: int | None = None,
         method_options: str | dict | None = None,
         **kwargs,
     ) -> None:
@@ -117,6 +119,8 @@ class KVPLM(HFLM):
         self.kvp_window_tokens = window_tokens
         self.kvp_max_cache_tokens = max_cache_tokens
         self.kvp_evict_every = evict_every
+        self.kvp_allocation = allocation
+        self.kvp_min_per_head = min_per_head
         self.kvp_options = options
         self._policy = None
         if policy is not None:
@@ -155,6 +159,8 @@ class KVPLM(HFLM):
             compress="first_prefill",
             max_cache_tokens=self.kvp_max_cache_tokens,
             evict_every=self.kvp_evict_every,
+            allocation=self.kvp_allocation,
+            min_per_head=self.kvp_min_per_head,
             **options,
         )
 
@@ -174,6 +180,8 @@ class KVPLM(HFLM):
             "window_tokens": self.kvp_window_tokens,
             "max_cache_tokens": self.kvp_max_cache_tokens,
             "evict_every": self.kvp_evict_every,
+            "allocation": self.kvp_allocation,
+            "min_per_head": self.kvp_min_per_head,
             "options": {k: v for k, v in self.kvp_options.items() if isinstance(v, str | int | float | bool)},
         }
         # lm-eval puts this in its results' "config": our provenance (portable command, commit with
