@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(bench)
     bench.set_defaults(policy=SHIPPED)
     bench.add_argument("--budgets", type=comma_list(parse_budget), default=[0.05, 0.1, 0.25, 0.5])
+    bench.add_argument("--allocations", type=comma_list(str), default=None,
+                       help="comma list of uniform, layer, head: a row per allocation for every method whose scores "
+                       "are comparable across heads (others: uniform only), e.g. kvp+head beside kvp "
+                       "(default: uniform,head; the decode protocol stays uniform)")  # fmt: skip
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
     bench.add_argument("--samples", type=comma_list(int), default=None,

@@ -17,8 +17,16 @@ needles, depths or haystack windows, was seen in training. Besides the ``niah_*`
 task whose full-cache accuracy reaches ``min_full_score`` (screened on its own samples) is
 benchmarked; the rest are listed as excluded with their full-cache scores.
 
+Allocations (``allocations``): every method whose scores are comparable across heads
+(``Scorer.comparable_across_heads``, the oracle's too) gets a row per allocation, named
+``<method>+<allocation>`` (``kvp+head``) beside its uniform row ``<method>``; the other methods get
+their uniform row only. The ``decode`` protocol stays uniform. Real-text rows carry the KV bytes of
+their cache and its share of the full cache's (measured once per prefix length, :meth:`Benchmark.measure_kv_bytes`),
+and each adaptive row its paired NLL gain over the uniform row of its method.
+
 Every sample is prefilled ONCE; every (method, budget) is compressed from that prefill
-(``KVPCache.from_prefill``) and all methods of one budget decode together as one batch. Each
+(``KVPCache.from_prefill``) and all uniform methods of one budget decode together as one batch
+(an adaptive cache keeps different entries per head, so it decodes on its own). Each
 finished sample is appended to a per-cell JSONL shard under ``<out>/shards``, so an interrupted run
 resumes where it stopped. A record holds one answer per (method, budget) and names the policy of its
 learned answers, so a new method, budget or policy tops records up (:meth:`Benchmark.run`) instead
@@ -41,11 +49,13 @@ from tqdm import tqdm
 
 from eval import realtext
 from eval.corpora import CORPORA, corpus
-from eval.oracle import ORACLE, capped_oracle_scorer, future_states, oracle_scorer
+from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
 from eval.stats import bootstrap_interval, wilson_interval
-from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encode_prompt
+from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encode_prompt, stack_caches
 from kvp_cache import KVPCache, ruler
+from kvp_cache.allocation import MODES, validate_mode
 from kvp_cache.budget import Budget, validate_budget
+from kvp_cache.cache import cache_bytes
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
 from kvp_cache.scorers import SCORERS, Scorer, make_scorer, methods
@@ -60,6 +70,33 @@ TEMPLATE_TOKENS = 64
 """Room left in ``context_tokens`` for the chat template and answer prefix around a sample."""
 ALL = "all"
 """The task or corpus of pooled rows: every sample of every task (corpus) of one protocol and length."""
+UNIFORM = "uniform"
+KV_BYTES = "kv_bytes"
+"""The shards of the measured KV bytes of every real-text row, one per prefix length."""
+
+
+def row_name(method: str, allocation: str) -> str:
+    """How rows and records name a method under an allocation: ``kvp`` (uniform), ``kvp+head``."""
+    return method if allocation == UNIFORM else f"{method}+{allocation}"
+
+
+def split_row(name: str) -> tuple[str, str]:
+    """``(method, allocation)`` of a row name (:func:`row_name`); ``full`` is uniform."""
+    method, _, allocation = name.partition("+")
+    return method, allocation or UNIFORM
+
+
+def comparable_across_heads(method: str) -> bool:
+    """Whether ``method`` (a registry name or the oracle) can rank an adaptive allocation."""
+    return (OracleScorer if method == ORACLE else SCORERS[method]).comparable_across_heads
+
+
+def uniform_only(method_names: list[str], allocations: list[str]) -> list[str]:
+    """The methods that get no adaptive row although ``allocations`` asks for one: their scores
+    are not comparable across heads."""
+    if all(allocation == UNIFORM for allocation in allocations):
+        return []
+    return [m for m in method_names if not comparable_across_heads(m)]
 
 
 @dataclass
@@ -73,11 +110,16 @@ class BenchmarkConfig:
     decode_windows: its windows per corpus; decode_chunk_tokens: tokens per forward after the
     prompt; evict_every: the capped cache's slack; oracle_horizon: queries after each eviction the
     capped oracle reads (None: until the next eviction).
+    allocations: how each compressed row splits its budget among KV heads
+    (:data:`kvp_cache.allocation.MODES`); a non-uniform one adds a row ``<method>+<allocation>`` for
+    every method that can rank it (:func:`comparable_across_heads`), at the same total entries.
+    The needle and real-text protocols only: ``decode`` rows are uniform.
     """
 
     methods: list[str]
     policy: str | None = None
     budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
+    allocations: list[str] = field(default_factory=lambda: [UNIFORM, "head"])
     protocols: list[str] = field(default_factory=lambda: list(NEEDLE_PROTOCOLS))
     tasks: list[str] = field(default_factory=lambda: list(NEEDLE_TASKS))
     screened_tasks: list[str] = field(default_factory=lambda: list(SCREENED_TASKS))
@@ -107,6 +149,10 @@ class BenchmarkConfig:
         if not self.budgets:
             raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
         self.budgets = [validate_budget(b) for b in self.budgets]
+        if not self.allocations or len(set(self.allocations)) != len(self.allocations):
+            raise ValueError(f"allocations must be distinct values among {MODES}, got {self.allocations}")
+        for allocation in self.allocations:
+            validate_mode(allocation, "allocations")
         self.samples = {int(k): v for k, v in self.samples.items()}
         self.text_windows = {int(k): v for k, v in self.text_windows.items()}
         unknown = sorted(set(self.protocols) - set(NEEDLE_PROTOCOLS))
@@ -161,8 +207,14 @@ class BenchmarkConfig:
             )
 
     def row_methods(self) -> list[str]:
-        """The compressed methods of every cell, the oracle last."""
-        return self.methods + ([ORACLE] if self.oracle else [])
+        """The compressed rows of every cell (:func:`row_name`), the oracle's last: each method
+        under each of ``allocations`` it can rank, its uniform row first."""
+        return [
+            row_name(method, allocation)
+            for method in self.methods + ([ORACLE] if self.oracle else [])
+            for allocation in self.allocations
+            if allocation == UNIFORM or comparable_across_heads(method)
+        ]
 
     def grid(self) -> list[tuple[str, Budget | None]]:
         """Every row of a cell: the full cache, then each (method, budget)."""
@@ -192,7 +244,7 @@ class BenchmarkConfig:
             "oracle_horizon": self.oracle_horizon,
         }
 
-    def fingerprint(self, policy_sha256: str | None) -> Fingerprint:
+    def fingerprint(self, policy_sha256: str | None, calibration_sha256: str | None = None) -> Fingerprint:
         """What the shard records of a run with the policy of ``policy_sha256`` must match.
 
         The hash covers what EVERY answer of a record depends on: the samples (seed, essays, the
@@ -200,7 +252,8 @@ class BenchmarkConfig:
         window). Methods, budgets and the policy stay out of it: a record names each answer by
         method and budget (:func:`method_key`), one method's answers never depend on the others',
         and the record names the policy of its learned answers, so another method list, budget list
-        or policy tops records up instead of discarding them.
+        or policy tops records up instead of discarding them. ``calibration_sha256``: the policy's
+        cross-head calibration, which its adaptive answers also depend on (:func:`is_calibrated`).
         """
         keys = {
             "seed": self.seed,
@@ -210,8 +263,10 @@ class BenchmarkConfig:
             "continuation": self.continuation_tokens,
             "template_tokens": TEMPLATE_TOKENS,
         }
-        legacy = {"methods": self.row_methods(), "budgets": self.budgets, "policy": policy_sha256, **keys}
-        return Fingerprint(digest(keys), policy_sha256, digest(legacy))
+        # The legacy format predates allocations: its method list is the uniform one.
+        methods = self.methods + ([ORACLE] if self.oracle else [])
+        legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
+        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256)
 
 
 def shard(out: Path, fingerprint: Fingerprint, *parts: object, fields: dict | None = None) -> Shard:
@@ -237,21 +292,30 @@ class Fingerprint:
     legacy: the fingerprint records had when it also hashed the method list, budgets and policy.
         Records carrying it were made with this configuration and policy: they are read as
         complete records of ``policy`` (and rewritten in today's format by the next run).
+    calibration: sha256 of the policy's cross-head calibration (None without one); a record's
+        learned adaptive answers (:func:`is_calibrated`) are recomputed when it names another one.
     """
 
     config: str
     policy: str | None
     legacy: str
+    calibration: str | None = None
 
 
 def method_key(method: str, budget: Budget | None) -> str:
-    """How a shard record names an answer: ``full`` or ``<method>@<budget>``."""
+    """How a shard record names an answer: ``full`` or ``<row name>@<budget>`` (``kvp+head@0.1``)."""
     return FULL if budget is None else f"{method}@{budget}"
 
 
 def is_learned(key: str) -> bool:
     """Whether the answer named ``key`` (:func:`method_key`) comes from a learned policy."""
-    return key.split("@")[0] in methods(learned=True)
+    return split_row(key.split("@")[0])[0] in methods(learned=True)
+
+
+def is_calibrated(key: str) -> bool:
+    """Whether the answer named ``key`` also depends on the policy's cross-head calibration: a
+    learned method under an adaptive allocation."""
+    return is_learned(key) and split_row(key.split("@")[0])[1] != UNIFORM
 
 
 ANSWER_FIELDS = ("predictions", "scores", "nll")
@@ -262,15 +326,19 @@ scores; real text: nll)."""
 def missing_rows(
     grid: list[tuple[str, Budget | None]], fingerprint: Fingerprint, record: dict | None
 ) -> list[tuple[str, Budget | None]]:
-    """The rows of ``grid`` (a cell's) that ``record`` lacks, or holds from another policy (learned rows)."""
+    """The rows of ``grid`` (a cell's) that ``record`` lacks, or holds from another policy (learned
+    rows) or calibration (learned adaptive rows)."""
     if record is None:
         return list(grid)
     held = {key for name in ANSWER_FIELDS for key in record.get(name, {})}
     fresh = record.get("policy") == fingerprint.policy
+    calibrated = record.get("calibration") == fingerprint.calibration
     return [
         (method, budget)
         for method, budget in grid
-        if (key := method_key(method, budget)) not in held or (is_learned(key) and not fresh)
+        if (key := method_key(method, budget)) not in held
+        or (is_learned(key) and not fresh)
+        or (is_calibrated(key) and not calibrated)
     ]
 
 
@@ -278,15 +346,25 @@ def topped_up(record: dict | None, new: dict, fingerprint: Fingerprint) -> dict:
     """``record`` with the answers and fields of ``new`` (computed for some rows) added; times add up.
 
     When ``new`` holds learned answers, the record's learned answers of another policy are dropped,
-    and the record names ``fingerprint.policy``.
+    and the record names ``fingerprint.policy``; likewise for learned adaptive answers and
+    ``fingerprint.calibration`` (named only once the record holds such answers).
     """
     old = dict(record or {})
-    learned = any(is_learned(key) for name in ANSWER_FIELDS for key in new.get(name, {}))
+    keys = [key for name in ANSWER_FIELDS for key in new.get(name, {})]
+    learned = any(map(is_learned, keys))
+    calibrated = any(map(is_calibrated, keys))
     stale = learned and old.get("policy") != fingerprint.policy
+    stale_calibration = calibrated and old.get("calibration") != fingerprint.calibration
     merged = {**old, **new, "policy": fingerprint.policy if learned else old.get("policy")}
+    if calibrated:
+        merged["calibration"] = fingerprint.calibration
     for name in ANSWER_FIELDS:
         if name in new:
-            kept = {k: v for k, v in old.get(name, {}).items() if not (stale and is_learned(k))}
+            kept = {
+                k: v
+                for k, v in old.get(name, {}).items()
+                if not (stale and is_learned(k)) and not (stale_calibration and is_calibrated(k))
+            }
             merged[name] = {**kept, **new[name]}
     for name in ("seconds", "cpu_seconds"):
         merged[name] = old.get(name, 0.0) + new[name]
@@ -361,6 +439,35 @@ class Cell:
         self.records = self.shard.records()
 
 
+@dataclass
+class AllocatedDecoder(AnswerDecoder):
+    """An :class:`~eval.sweep.AnswerDecoder` whose caches split each budget by ``allocation``.
+
+    Uniform caches of one budget keep the same entries per head and stack into one batch; an
+    adaptive cache keeps different entries per head, so it is a batch of its own.
+    """
+
+    allocation: str = UNIFORM
+
+    def cache_options(self, method: str | Scorer, budget: Budget) -> dict:
+        options = super().cache_options(method, budget)
+        return options if self.allocation == UNIFORM else {**options, "allocation": self.allocation}
+
+    def caches(self, prefilled, methods: list, budget: Budget) -> list[KVPCache]:
+        """One compressed cache of the prefill per method, all at ``budget``."""
+        return [
+            KVPCache.from_prefill(prefilled, self.model, **self.cache_options(m, budget)) for m in methods
+        ]
+
+    def compressed(self, prefilled, methods: list, budget: Budget) -> KVPCache:
+        caches = self.caches(prefilled, methods, budget)
+        if self.allocation == UNIFORM:
+            return stack_caches(caches)
+        if len(caches) != 1:
+            raise ValueError(f"allocation {self.allocation!r} caches do not stack: give one method at a time")
+        return caches[0]
+
+
 class Benchmark:
     """Runs the cells of a :class:`BenchmarkConfig` into shards under ``out / "shards"``."""
 
@@ -381,14 +488,22 @@ class Benchmark:
         self.config = config
         self.out = Path(out)
         self.device = next(model.parameters()).device
-        self.decoder = AnswerDecoder(model, tokenizer, config.sink_tokens, config.window_tokens, policy)
+        self.decoders = {
+            allocation: AllocatedDecoder(
+                model, tokenizer, config.sink_tokens, config.window_tokens, policy, allocation=allocation
+            )
+            for allocation in MODES
+        }
+        self.decoder = self.decoders[UNIFORM]
         sha256 = getattr(policy, "weights_sha256", None)
         if policy is not None and sha256 is None:
             raise ValueError(
                 "policy has no weights_sha256, which shard records name it by: pass a policy loaded "
                 "from a safetensors file (kvp_cache.policy.load_policy after save_pretrained)"
             )
-        self.fingerprint = config.fingerprint(sha256)
+        calibration = getattr(policy, "calibration", None)
+        calibration_sha256 = hashlib.sha256(calibration.to_bytes()).hexdigest() if calibration else None
+        self.fingerprint = config.fingerprint(sha256, calibration_sha256)
         self.haystack = ruler.load_haystack(config.essays_dir)
 
     def shard(self, *parts: object, fields: dict | None = None) -> Shard:
@@ -403,7 +518,8 @@ class Benchmark:
 
         A sample whose record holds every row is skipped; one whose record lacks rows (a method or
         budget added since) or holds learned rows of another policy is topped up: one prefill, only
-        the missing rows computed, the merged record appended.
+        the missing rows computed, the merged record appended. Last, the KV bytes of every real-text
+        row not measured yet (:meth:`measure_kv_bytes`).
         """
         cells = []
         for context in self.config.contexts:
@@ -435,6 +551,39 @@ class Benchmark:
             new.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start)
             cell.records[index] = topped_up(cell.records.get(index), new, self.fingerprint)
             cell.shard.append({"index": index, **cell.records[index]})
+        for context in self.config.text_contexts if self.config.corpora else []:
+            self.measure_kv_bytes(context)
+
+    def measure_kv_bytes(self, context: int) -> None:
+        """The bytes each real-text row's cache holds (``KVPCache.kv_bytes``) and the full cache's, at
+        prefix length ``context``, into the shard ``kv_bytes/<context>``.
+
+        They depend on the prefix length, the budget and the allocation (adaptive caches keep the
+        same total entries as uniform ones), never on the text, so the first window of the first
+        corpus measures them, once per row: one prefill, then each missing row compressed.
+        """
+        sizes = self.shard(KV_BYTES, context)
+        held = sizes.records().get(0, {}).get(KV_BYTES, {})
+        rows = [(m, b) for m, b in self.config.grid() if method_key(m, b) not in held]
+        if not rows:
+            return
+        name = self.config.corpora[0]
+        stream = realtext.corpus_tokens(name, self.tokenizer)
+        window = realtext.windows(stream, context + self.config.continuation_tokens, 1)[0].to(self.device)
+        with torch.no_grad():
+            prefilled = self.prefill(window[:, :context])
+            measured = self.answers(
+                prefilled,
+                rows,
+                ids(window[:, context:]),
+                full=lambda: cache_bytes(prefilled.cache),
+                batch=lambda scorers, budget, allocation: [
+                    cache.kv_bytes() for cache in self.decoders[allocation].caches(prefilled, scorers, budget)
+                ],
+            )
+        sizes.append(
+            {"index": 0, "corpus": name, "windows": realtext.WINDOWS, KV_BYTES: {**held, **measured}}
+        )
 
     def samples(self, task: str, context: int, count: int) -> list[ruler.Sample]:
         """``count`` test-split samples whose chat prompt plus answer fit in ``context`` tokens (8K is
@@ -476,7 +625,7 @@ class Benchmark:
                 rows,
                 ids(prompt.suffix) + ruler.gold_answer_ids(sample, self.tokenizer),
                 full=lambda: self.decoder.full_answer(prefilled, prompt, tokens),
-                batch=lambda scorers, budget: self.decoder.budget_answers(
+                batch=lambda scorers, budget, allocation: self.decoders[allocation].budget_answers(
                     prefilled, prompt, scorers, budget, tokens
                 ),
             )
@@ -510,7 +659,9 @@ class Benchmark:
                     rows,
                     ids(continuation),
                     full=lambda: nll(copy.deepcopy(prefilled.cache))[0],
-                    batch=lambda scorers, budget: nll(self.decoder.compressed(prefilled, scorers, budget)),
+                    batch=lambda scorers, budget, allocation: nll(
+                        self.decoders[allocation].compressed(prefilled, scorers, budget)
+                    ),
                 ),
             }
 
@@ -575,20 +726,24 @@ class Benchmark:
         rows: list[tuple[str, Budget | None]],
         future_ids: list[int],
         full: Callable[[], object],
-        batch: Callable[[list[Scorer], Budget], list],
+        batch: Callable[[list[Scorer], Budget, str], list],
     ) -> dict[str, object]:
         """``{method_key: answer}`` of one sample's ``rows``: ``full()`` if the full cache is among
-        them, then for each budget ``batch(scorers, budget)`` over the methods that budget needs
-        (one answer per scorer). Only those methods' scorers are built (the oracle runs its
-        ``future_ids`` only when it is needed); each scores the prefill once for all budgets."""
+        them, then for each budget and allocation ``batch(scorers, budget, allocation)`` over the
+        methods it needs (one answer per scorer): the uniform ones together, each adaptive one on
+        its own. Only those methods' scorers are built (the oracle runs its ``future_ids`` only when
+        it is needed); each scores the prefill once for all budgets and allocations."""
         names = [m for m in self.config.row_methods() if any(m == method for method, _ in rows)]
-        scorers = dict(zip(names, self.scorers(prefilled, future_ids, names), strict=True))
+        bases = list(dict.fromkeys(split_row(name)[0] for name in names))
+        scorers = dict(zip(bases, self.scorers(prefilled, future_ids, bases), strict=True))
         answers = {FULL: full()} if (FULL, None) in rows else {}
         for budget in self.config.budgets:
-            needed = [m for m in names if (m, budget) in rows]
-            if needed:
-                values = batch([scorers[m] for m in needed], budget)
-                answers.update({method_key(m, budget): v for m, v in zip(needed, values, strict=True)})
+            for allocation in self.config.allocations:
+                needed = [n for n in names if (n, budget) in rows and split_row(n)[1] == allocation]
+                for group in [needed] if allocation == UNIFORM else [[n] for n in needed]:
+                    if group:
+                        values = batch([scorers[split_row(n)[0]] for n in group], budget, allocation)
+                        answers.update({method_key(n, budget): v for n, v in zip(group, values, strict=True)})
         return answers
 
     def scorers(self, prefilled, future_ids: list[int], names: list[str]) -> list[Scorer]:
@@ -674,6 +829,7 @@ def text_rows(
     grid: list[tuple[str, Budget | None]],
     reference: str | None,
     protocol: str = PERPLEXITY,
+    sizes: dict[str, int] | None = None,
 ) -> list[dict]:
     """Rows of one real-text cell (``perplexity`` or ``decode``, where the budget is the cap): NLL per
     token and its increase over the full cache (bootstrap CIs).
@@ -681,7 +837,10 @@ def text_rows(
     Every other compressed method's row also holds ``paired``: its per-window NLL minus that of
     ``reference`` (the first method) at the same budget, mean and CI. The windows are shared, so
     pairing removes their spread, which dominates the unpaired intervals; positive: ``reference``
-    lost less."""
+    lost less. An adaptive row (``kvp+head``) also holds ``allocation_gain``: the uniform row of its
+    method (``kvp``) minus its own per-window NLL; positive: the adaptive allocation lost less.
+    ``sizes``: the measured KV bytes by :func:`method_key` (:meth:`Benchmark.measure_kv_bytes`);
+    rows found there hold ``kv_bytes`` and ``kv_share``, their share of the full cache's bytes."""
     where = {
         "protocol": protocol,
         "corpus": name,
@@ -689,6 +848,7 @@ def text_rows(
         "context_tokens": context,
     }
     full = [r["nll"][FULL] for r in records]
+    sizes = sizes or {}
     rows = []
     for method, budget in grid:
         nll = [r["nll"][method_key(method, budget)] for r in records]
@@ -703,6 +863,16 @@ def text_rows(
                 "difference": sum(difference) / len(difference),
                 "ci95": list(bootstrap_interval(difference)),
             }
+        uniform = split_row(method)[0]
+        if budget is not None and uniform != method and (uniform, budget) in grid:
+            gain = [r["nll"][method_key(uniform, budget)] - a for r, a in zip(records, nll, strict=True)]
+            row["allocation_gain"] = {
+                "against": uniform,
+                "difference": sum(gain) / len(gain),
+                "ci95": list(bootstrap_interval(gain)),
+            }
+        if (key := method_key(method, budget)) in sizes and FULL in sizes:
+            row = {**row, "kv_bytes": sizes[key], "kv_share": sizes[key] / sizes[FULL]}
         rows.append(row)
     return rows
 
@@ -781,6 +951,7 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
     text_cells = [
         (PERPLEXITY, n, config.text_windows[n], None, config.methods[0], None) for n in config.text_contexts
     ]
+    sizes = {n: records(KV_BYTES, n).get(0, {}).get(KV_BYTES) for n in config.text_contexts}
     if config.decode_caps:
         reference = next(iter(config.capped_methods()), None)
         text_cells.append(
@@ -794,12 +965,12 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
             if done is None:
                 unreported.add((protocol, context))
                 continue
-            rows += text_rows(name, context, *done, reference, protocol)
+            rows += text_rows(name, context, *done, reference, protocol, sizes.get(context))
             pooled.setdefault((protocol, context), []).append(done)
             seconds[f"{protocol}/{name}/{context}"] = cost(done[0])
         cells = pooled.get((protocol, context))
         if cells and (protocol, context) not in unreported:
-            rows += text_rows(ALL, context, *pooled_records(cells), reference, protocol)
+            rows += text_rows(ALL, context, *pooled_records(cells), reference, protocol, sizes.get(context))
     return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
 
 

@@ -5,7 +5,9 @@ the future queries' causal softmax attention, maxed over each GQA group and summ
 over the compressed prompt, then the question asked after it (if any), then the gold answer
 (:func:`kvp_cache.ruler.gold_answer_ids`) or the text's true continuation. It is the ceiling of a key/value-only ranking
 trained on that target, an evaluation tool and not a method users select: it is not registered,
-and caches get it as ``KVPCache(model, method=OracleScorer(...))``.
+and caches get it as ``KVPCache(model, method=OracleScorer(...))``. Its importance is a share of the
+future attention mass, comparable across heads and layers, so it also ranks one adaptive allocation
+(``allocation="layer" | "head"``: the benchmark's ``oracle+head`` row).
 
 Under ``max_cache_tokens`` (the benchmark's ``decode`` protocol) the oracle is
 :class:`CappedOracleScorer`: at each eviction it ranks by the decode-time target
@@ -38,6 +40,7 @@ class OracleScorer(Scorer):
     """
 
     name: ClassVar[str] = ORACLE
+    comparable_across_heads: ClassVar[bool] = True
     importance: dict[int, torch.Tensor]
 
     def score(self, keys, values, positions, queries=None, layer_idx=0) -> torch.Tensor:
@@ -49,6 +52,12 @@ class OracleScorer(Scorer):
                 f"the cache holds {tuple(keys.shape[1:3])}: build it from the same prompt"
             )
         return importance.to(keys.device)[None].expand(keys.shape[0], -1, -1)
+
+    def cross_head_scores(self, scores, valid, layer_idx=0) -> torch.Tensor:
+        """``[batch, kv_heads, seq]`` float32: the future attention importance itself, already each
+        entry's share of the future queries' attention mass, so comparable across heads and layers;
+        -inf where not ``valid``."""
+        return scores.float().masked_fill(~valid, float("-inf"))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,16 @@
-"""Plots: a sweep's accuracy against budget, and the benchmark's accuracy and NLL increase against
-budget with 95% interval bands, the full cache and the oracle as references."""
+"""Plots: a sweep's accuracy against budget, the benchmark's accuracy and NLL increase against
+budget with 95% interval bands, the full cache and the oracle as references, and its real-text NLL
+increase against the KV bytes held, uniform and adaptive allocation side by side."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from eval.benchmark import PERPLEXITY, UNIFORM, split_row
 from kvp_cache.scorers import methods
+
+ALLOCATION_STYLES = {UNIFORM: ("-", "o"), "head": ("--", "s"), "layer": (":", "^")}
+"""Line style and marker of each allocation in the KV-bytes plot (colour: the method)."""
 
 
 def _pyplot():
@@ -148,3 +153,60 @@ def plot_benchmark_nll(result: dict, path: Path) -> None:
         for corpus in ["all", *config["corpora"]]
     ]
     _grid(result, panels, path, "NLL increase (nats/token)", 1.0, len(config["corpora"]) + 1)
+
+
+def plot_nll_vs_kv_bytes(result: dict, path: Path) -> bool:
+    """Real-text NLL increase against the KV bytes held (share of the full cache's), one panel per
+    corpus (all pooled first) and prefix length: a colour per method, a line style per allocation, so
+    each adaptive row sits beside its uniform one at the same bytes. Rows without measured bytes
+    (``kv_share``, benchmarks before they were measured) are left out; returns whether any was drawn."""
+    rows = [
+        r
+        for r in result["rows"]
+        if r["protocol"] == PERPLEXITY and "kv_share" in r and r["budget"] is not None
+    ]
+    if not rows:
+        return False
+    plt = _pyplot()
+    config = result["config"]
+    panels = [
+        (corpus, length, [r for r in rows if r["context_tokens"] == length and r["corpus"] == corpus])
+        for length in config["text_contexts"]
+        for corpus in ["all", *config["corpora"]]
+    ]
+    panels = [panel for panel in panels if panel[2]]
+    columns = min(len(panels), len(config["corpora"]) + 1)
+    grid_rows = (len(panels) + columns - 1) // columns
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(4.6 * columns, 3.6 * grid_rows), squeeze=False)
+    bases = list(dict.fromkeys(split_row(r["method"])[0] for r in rows))
+    colours = {"oracle": "black"} | {m: f"C{i}" for i, m in enumerate(b for b in bases if b != "oracle")}
+    for ax, (corpus, length, found) in zip(axes.flat, panels, strict=False):
+        for method in dict.fromkeys(r["method"] for r in found):
+            base, allocation = split_row(method)
+            line = sorted((r for r in found if r["method"] == method), key=lambda r: r["kv_share"])
+            linestyle, marker = ALLOCATION_STYLES[allocation]
+            x = [100 * r["kv_share"] for r in line]
+            ax.plot(x, [r["score"] for r in line], linestyle=linestyle, marker=marker, markersize=3,
+                    color=colours[base], label=method, linewidth=2.5 if base in methods(learned=True) else 1.5)  # fmt: skip
+            ax.fill_between(x, [r["ci95"][0] for r in line], [r["ci95"][1] for r in line], color=colours[base],
+                            alpha=0.08)  # fmt: skip
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        # One tick per budget (methods that store scores hold a little more): the smallest share.
+        by_budget: dict = {}
+        for r in found:
+            by_budget[r["budget"]] = min(by_budget.get(r["budget"], 1.0), r["kv_share"])
+        shares = sorted(round(100 * share, 1) for share in by_budget.values())
+        ax.set_xticks(shares, [f"{share:g}" for share in shares])
+        ax.set_xlabel("KV bytes held (% of the full cache's)")
+        ax.set_ylabel("NLL increase (nats/token)")
+        ax.set_title(f"{corpus}, {length}-token prefix", fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * ((len(labels) - 1) // 6), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -3,17 +3,19 @@
 Nothing here is typed by hand: ``python -m eval benchmark`` calls :func:`write_report` at the end of
 every run, and ``python -m eval report <benchmark.json>`` reruns it on a finished file. Cells read
 ``score (low-high)`` with the 95% interval; in each column the best compressed method is bold, and
-so is every method whose interval overlaps the best one's (the full cache and the oracle are
-references and never compete).
+so is every method whose interval overlaps the best one's (the full cache and the oracle rows, its
+adaptive ones too, are references and never compete). Adaptive rows (``kvp+head``) sit in the same
+tables as the uniform ones; their paired gain over the uniform row of the same method has its own table.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 
-from eval.benchmark import ALL, DECODE, PERPLEXITY
+from eval.benchmark import ALL, DECODE, PERPLEXITY, UNIFORM, split_row, uniform_only
 from eval.oracle import ORACLE
 from eval.stats import overlaps
 from eval.sweep import FULL
@@ -34,6 +36,9 @@ PROTOCOL_TITLES = {
     DECODE: "decoding under a cap: NLL increase per token over the uncapped cache (lower is better)",
 }
 HEADLINE_BUDGETS = (0.1, 0.25)
+ADAPTIVE_HEADLINE_BUDGETS = (0.05, 0.1, 0.25)
+"""The headline's budgets when the benchmark has adaptive rows, whose targets start at 5%."""
+KV_PLOT = "nll_vs_kv_bytes.png"
 
 
 def kilo(tokens: int) -> str:
@@ -57,10 +62,25 @@ def signed_interval(value: float, ci95: list[float]) -> str:
     return f"{value:+.3f} ({low:+.3f} to {high:+.3f})"
 
 
+def is_reference(method: str) -> bool:
+    """The full cache and the oracle rows (uniform or adaptive): references that never compete."""
+    return split_row(method)[0] in (FULL, ORACLE)
+
+
 def ordered_methods(rows: list[dict]) -> list[str]:
-    """Full cache and oracle first, then the methods in their order of appearance."""
+    """Full cache and oracle rows first, then the methods in their order of appearance."""
     seen = dict.fromkeys(r["method"] for r in rows)
-    return [m for m in (FULL, ORACLE) if m in seen] + [m for m in seen if m not in (FULL, ORACLE)]
+    references = sorted((m for m in seen if is_reference(m)), key=lambda m: split_row(m)[0] != FULL)
+    return references + [m for m in seen if not is_reference(m)]
+
+
+def allocations(config: dict) -> list[str]:
+    """The benchmark's allocations (uniform only before the option existed)."""
+    return config.get("allocations", [UNIFORM])
+
+
+def is_adaptive(config: dict) -> bool:
+    return any(allocation != UNIFORM for allocation in allocations(config))
 
 
 def competing_bold(table: list[list[dict | None]], methods: list[str]) -> set[tuple[int, int]]:
@@ -71,7 +91,7 @@ def competing_bold(table: list[list[dict | None]], methods: list[str]) -> set[tu
         cells = [
             (r, row[column])
             for r, row in enumerate(table)
-            if row[column] is not None and methods[r] not in (FULL, ORACLE)
+            if row[column] is not None and not is_reference(methods[r])
         ]
         if not cells:
             continue
@@ -162,6 +182,34 @@ def section_tables(result: dict, pooled_only: bool) -> list[str]:
     return lines
 
 
+def rows_with(result: dict, protocol: str, length: int, field: str) -> list[dict]:
+    """The rows of one (protocol, length) that hold ``field``."""
+    return [
+        r
+        for r in result["rows"]
+        if r["protocol"] == protocol and r["context_tokens"] == length and field in r
+    ]
+
+
+def difference_table(rows: list[dict], field: str, label: Callable[[object], str]) -> str:
+    """The paired differences ``field`` of ``rows``: a line per method, a column per corpus (pooled
+    first) and budget, each ``difference (interval)``; ``label`` names a budget."""
+    corpora = sorted(dict.fromkeys(r["corpus"] for r in rows), key=lambda c: c != ALL)
+    budgets = list(dict.fromkeys(r["budget"] for r in rows))
+    columns = [(c, b) for c in corpora for b in budgets]
+    found = {(r["method"], r["corpus"], r["budget"]): r[field] for r in rows}
+    body = [
+        [method]
+        + [
+            "-" if (p := found.get((method, c, b))) is None else signed_interval(p["difference"], p["ci95"])
+            for c, b in columns
+        ]
+        for method in dict.fromkeys(r["method"] for r in rows)
+    ]
+    header = ["method"] + [f"{'pooled' if c == ALL else c}, {label(b)}" for c, b in columns]
+    return markdown_table(header, body)
+
+
 def paired_lines(result: dict) -> list[str]:
     """Per text length (real text, then decoding under a cap): every method's per-window NLL
     difference from the first method (rows' ``paired``), corpora pooled first, with the 95% interval.
@@ -169,35 +217,44 @@ def paired_lines(result: dict) -> list[str]:
     lines = []
     config = result["config"]
     for protocol, length in [(p, n) for p in (PERPLEXITY, DECODE) for n in protocol_lengths(config, p)]:
-        paired = [
-            r
-            for r in result["rows"]
-            if r["protocol"] == protocol and r["context_tokens"] == length and "paired" in r
-        ]
+        paired = rows_with(result, protocol, length, "paired")
         if not paired:
             continue
-        corpora = sorted(dict.fromkeys(r["corpus"] for r in paired), key=lambda c: c != ALL)
-        budgets = list(dict.fromkeys(r["budget"] for r in paired))
-        columns = [(c, b) for c in corpora for b in budgets]
-        found = {(r["method"], r["corpus"], r["budget"]): r["paired"] for r in paired}
-        body = [
-            [method]
-            + [
-                "-"
-                if (p := found.get((method, c, b))) is None
-                else signed_interval(p["difference"], p["ci95"])
-                for c, b in columns
-            ]
-            for method in dict.fromkeys(r["method"] for r in paired)
-        ]
         label = (lambda b: cap_label(config, b)) if protocol == DECODE else (lambda b: f"budget {b}")
-        header = ["method"] + [f"{'pooled' if c == ALL else c}, {label(b)}" for c, b in columns]
         what = "decoding under a cap" if protocol == DECODE else "real text"
         lines += [
             f"**{what}, {length_text(config, protocol, length)}: NLL difference per token from "
             f"`{paired[0]['paired']['against']}` on the same windows (95% interval; positive: it lost less)**",
             "",
-            markdown_table(header, body),
+            difference_table(paired, "paired", label),
+            "",
+        ]
+    return lines
+
+
+def allocation_gain_lines(result: dict) -> list[str]:
+    """Per real-text length: each adaptive row's paired NLL gain over the uniform row of its method
+    (rows' ``allocation_gain``), corpora pooled first, with the 95% interval; then the methods that
+    got no adaptive row."""
+    lines = []
+    config = result["config"]
+    for length in protocol_lengths(config, PERPLEXITY):
+        gains = rows_with(result, PERPLEXITY, length, "allocation_gain")
+        if not gains:
+            continue
+        lines += [
+            f"**real text, {length_text(config, PERPLEXITY, length)}: adaptive allocation's NLL gain per token, "
+            "the uniform row of the same method minus the adaptive one on the same windows (95% interval; "
+            "positive: the adaptive allocation lost less)**",
+            "",
+            difference_table(gains, "allocation_gain", lambda b: f"budget {b}"),
+            "",
+        ]
+    uniform = uniform_only(config["methods"], allocations(config)) if is_adaptive(config) else []
+    if uniform:
+        lines += [
+            f"Uniform rows only (scores not comparable across heads, so no adaptive allocation): "
+            f"{', '.join(uniform)}. The decoding-under-a-cap rows are uniform.",
             "",
         ]
     return lines
@@ -235,14 +292,18 @@ def needle_column(rows: list[dict], protocol: str, length: int) -> tuple[str, Ca
     )
 
 
-def headline(result: dict) -> str:
+def headline(result: dict, plot: str | None = None) -> str:
     """The README's headline: needles at every length (both protocols, all tasks pooled, or the one
-    task a length was run on) and real text, at 10% and 25% budgets."""
+    task a length was run on) and real text, at 10% and 25% budgets (and 5% with adaptive rows),
+    then the plot of NLL against KV bytes at ``plot`` (a link relative to the headline's file)."""
     rows = result["rows"]
     config = result["config"]
     needles = [needle_column(rows, p, n) for n in config["contexts"] for p in config["protocols"]]
     parts = []
-    for budget in HEADLINE_BUDGETS:
+    budgets = HEADLINE_BUDGETS
+    if is_adaptive(config):
+        budgets = [b for b in ADAPTIVE_HEADLINE_BUDGETS if b in config["budgets"]]
+    for budget in budgets:
         columns = [column for column in needles if column is not None] + [
             (
                 f"real text {kilo(n)} (NLL increase)",
@@ -254,6 +315,8 @@ def headline(result: dict) -> str:
         ]
         selected = [r for r in rows if r["budget"] in (budget, None)]
         parts += [f"**Budget {budget:.0%} of the prompt per head**", "", grid_table(selected, columns), ""]
+    if plot is not None:
+        parts += [f"![Real-text NLL increase against KV bytes, uniform and adaptive allocation]({plot})", ""]
     provenance = result["provenance"]
     policy = provenance.get("policy") or {}
     parts.append(
@@ -289,6 +352,7 @@ def result_lines(result: dict, pooled_only: bool) -> list[str]:
     return (
         section_tables(result, pooled_only)
         + paired_lines(result)
+        + allocation_gain_lines(result)
         + excluded_lines(result)
         + cost_lines(result)
     )
@@ -327,13 +391,16 @@ def replace_block(path: Path, begin: str, end: str, body: list[str], append: boo
     return True
 
 
-def update_docs(result: dict, model: str, docs: Path = DOCS, readme: Path | None = None) -> None:
+def update_docs(
+    result: dict, model: str, docs: Path = DOCS, readme: Path | None = None, plot: Path | None = None
+) -> None:
     """Replace the generated block of ``docs`` (appended the first time) with the pooled tables, and
-    the headline block of ``readme`` when it has one for ``model``."""
+    the headline block of ``readme`` when it has one for ``model`` (with ``plot``, the KV-bytes plot)."""
     tables = result_lines(result, pooled_only=True)
     replace_block(docs, DOCS_BEGIN.format(model=model), DOCS_END, tables, append=True)
     if readme is not None:
-        body = [headline(result)] + ([pending_line(result)] if result.get("pending") else [])
+        link = None if plot is None else relative_link(plot, readme.parent)
+        body = [headline(result, link)] + ([pending_line(result)] if result.get("pending") else [])
         replace_block(readme, README_BEGIN.format(model=model), README_END, body, append=False)
 
 
@@ -371,10 +438,16 @@ def remaining_cpu_hours(result: dict) -> float | None:
     return seconds / 3600
 
 
+def relative_link(path: Path, start: Path) -> str:
+    """``path`` as a Markdown link from a file in ``start`` (both resolved)."""
+    return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
+
+
 def write_report(result: dict, out: Path, docs: Path | None = None, readme: Path | None = None) -> list[Path]:
-    """``benchmark.md``, ``headline.md`` and the two plots under ``out``; docs/eval.md's block when
-    ``docs`` is given, and the README's headline block when ``readme`` is. Returns the written paths."""
-    from eval.plots import plot_benchmark_accuracy, plot_benchmark_nll
+    """``benchmark.md``, ``headline.md`` and the plots under ``out`` (``nll_vs_kv_bytes.png`` once
+    real-text rows hold their KV bytes); docs/eval.md's block when ``docs`` is given, and the README's
+    headline block when ``readme`` is. Returns the written paths."""
+    from eval.plots import plot_benchmark_accuracy, plot_benchmark_nll, plot_nll_vs_kv_bytes
 
     out.mkdir(parents=True, exist_ok=True)
     paths = [
@@ -383,11 +456,13 @@ def write_report(result: dict, out: Path, docs: Path | None = None, readme: Path
         out / "accuracy_vs_budget.png",
         out / "nll_vs_budget.png",
     ]
+    plot = out / KV_PLOT if plot_nll_vs_kv_bytes(result, out / KV_PLOT) else None
     paths[0].write_text(report_markdown(result), encoding="utf-8")
-    paths[1].write_text(headline(result), encoding="utf-8")
+    paths[1].write_text(headline(result, None if plot is None else KV_PLOT), encoding="utf-8")
     plot_benchmark_accuracy(result, paths[2])
     plot_benchmark_nll(result, paths[3])
+    paths += [] if plot is None else [plot]
     if docs is not None:
-        update_docs(result, out.name, docs, readme)
+        update_docs(result, out.name, docs, readme, plot)
         paths += [docs] + ([readme] if readme is not None else [])
     return paths

@@ -21,19 +21,29 @@ from eval.__main__ import main
 from eval.benchmark import ALL, DECODE, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
-from eval.report import README_BEGIN, README_END, headline, pending_line, remaining_cpu_hours, update_docs
+from eval.report import (
+    KV_PLOT,
+    README_BEGIN,
+    README_END,
+    headline,
+    pending_line,
+    remaining_cpu_hours,
+    report_markdown,
+    update_docs,
+)
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
-from kvp_cache.policy import load_policy
+from kvp_cache.policy import Calibration, load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
 from kvp_cache.targets import decode_attention, eviction_points
 
 NEEDLE_FIELDS = {"protocol", "task", "context_tokens", "method", "budget", "n", "metric", "score", "ci95"}
-TEXT_FIELDS = {"protocol", "corpus", "kind", "context_tokens", "method", "budget", "n", "metric", "score", "ci95",
-               "nll", "nll_ci95"}  # fmt: skip
+DECODE_FIELDS = {"protocol", "corpus", "kind", "context_tokens", "method", "budget", "n", "metric", "score",
+                 "ci95", "nll", "nll_ci95"}  # fmt: skip
+TEXT_FIELDS = DECODE_FIELDS | {"kv_bytes", "kv_share"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +65,7 @@ def small_config(**overrides) -> BenchmarkConfig:
         text_windows={96: 3},
         continuation_tokens=12,
         decode_caps=[],
+        allocations=["uniform"],
     )
     return BenchmarkConfig(**{**options, **overrides})
 
@@ -79,10 +90,15 @@ def shard_lines(out: Path) -> dict[str, int]:
     return {str(p.relative_to(out)): len(p.read_text().splitlines()) for p in sorted(out.rglob("*.jsonl"))}
 
 
+def sample_shards(out: Path) -> list[Path]:
+    """The shards of samples under ``out`` (not the KV-bytes measurements)."""
+    return sorted(p for p in (out / "shards").rglob("*.jsonl") if p.parts[-2] != benchmark.KV_BYTES)
+
+
 def latest_records(out: Path) -> dict[tuple[str, int], dict]:
     """The last line of every sample of every shard under ``out``, as parsed JSON."""
     found = {}
-    for shard in sorted((out / "shards").rglob("*.jsonl")):
+    for shard in sample_shards(out):
         for record in map(json.loads, shard.read_text().splitlines()):
             found[str(shard.relative_to(out)), record["index"]] = record
     return found
@@ -213,7 +229,8 @@ def test_adding_a_method_computes_only_that_method(tiny, tmp_path, fake_corpora,
                    text_windows={96: 2})  # fmt: skip
     first = run(model, tokenizer, small_config(methods=["knorm"], **options), tmp_path)
     before, lines = latest_records(tmp_path), shard_lines(tmp_path)
-    assert work["knorm"] == 6 and work[ORACLE] == 6 and work["full_answer"] == 4
+    # 6 samples, then the text rows' KV bytes: one more prefill, measured once per prefix length.
+    assert work["knorm"] == 7 and work[ORACLE] == 7 and work["prefill"] == 7 and work["full_answer"] == 4
     work.clear()
     config = small_config(methods=["knorm", "tova"], **options)
     # Before tova runs, the finished rows stay reported and each cell names tova as not done.
@@ -222,8 +239,9 @@ def test_adding_a_method_computes_only_that_method(tiny, tmp_path, fake_corpora,
     assert [(p["done"], p["missing"]) for p in waiting["pending"]] == [(0, ["tova"])] * 3
     assert remaining_cpu_hours(waiting) is None  # no cell holds every row yet, so none prices a sample
     result = run(model, tokenizer, config, tmp_path)
-    # One prefill per sample, tova's scorer only; no full cache, no oracle; one NLL forward per budget.
-    assert work == Counter({"prefill": 6, "tova": 6, "continuation_nll": 2 * len(config.budgets)})
+    # One prefill per sample, tova's scorer only; no full cache, no oracle; one NLL forward per budget;
+    # then one prefill for the KV bytes of tova's text rows.
+    assert work == Counter({"prefill": 7, "tova": 7, "continuation_nll": 2 * len(config.budgets)})
     after = latest_records(tmp_path)
     added = {method_key("tova", b) for b in config.budgets}
     for key, record in after.items():
@@ -233,7 +251,10 @@ def test_adding_a_method_computes_only_that_method(tiny, tmp_path, fake_corpora,
                 assert set(record[name]) == set(old[name]) | added
                 assert {k: record[name][k] for k in old[name]} == old[name]  # byte-identical after JSON
         assert record["seconds"] > old["seconds"] and record["policy"] is None
-    assert shard_lines(tmp_path) == {path: n + 2 for path, n in lines.items()}  # the merged records, appended
+    # The merged records, appended; the KV bytes of the new rows, one line.
+    assert shard_lines(tmp_path) == {
+        path: n + (1 if benchmark.KV_BYTES in path else 2) for path, n in lines.items()
+    }
     # The topped-up rows are a from-scratch run's.
     work.clear()
     assert result["pending"] == [] and run(model, tokenizer, config, tmp_path)["rows"] == result["rows"]
@@ -310,11 +331,11 @@ def test_records_of_the_former_format_stay_usable(tiny, tmp_path, fake_corpora, 
     out = tmp_path / "out"
     expected = run(model, tokenizer, config, out, first)
     legacy = config.fingerprint(first.weights_sha256).legacy
-    for shard in (out / "shards").rglob("*.jsonl"):
+    for shard in sample_shards(out):  # the former format had no KV-bytes shards
         records = [json.loads(line) for line in shard.read_text().splitlines()]
         shard.write_text("".join(json.dumps({**{k: v for k, v in r.items() if k != "policy"},
                                              "fingerprint": legacy}) + "\n" for r in records))  # fmt: skip
-    former = {shard: shard.read_text() for shard in (out / "shards").rglob("*.jsonl")}
+    former = {shard: shard.read_text() for shard in sample_shards(out)}
     # Read as they are (as --no-run does), then resumed: nothing to compute, same rows.
     assert (
         benchmark_result(config, out, config.fingerprint(first.weights_sha256), {})["rows"]
@@ -355,9 +376,17 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     assert code == 0
     result = json.loads((out / "benchmark.json").read_text())
     assert list(result)[0] == "provenance" and result["provenance"]["command"] == "python -m eval benchmark"
-    assert {r["method"] for r in result["rows"]} == {FULL, ORACLE, "knorm", "tova"}
+    # By default tova and the oracle also get a head-allocation row; knorm cannot rank across heads.
+    assert {r["method"] for r in result["rows"]} == {
+        FULL,
+        ORACLE,
+        "oracle+head",
+        "knorm",
+        "tova",
+        "tova+head",
+    }
     assert result["corpora"] == {"angular": {"kind": "code", "requirement": CORPORA["angular"].requirement}}
-    for name in ("accuracy_vs_budget.png", "nll_vs_budget.png"):
+    for name in ("accuracy_vs_budget.png", "nll_vs_budget.png", KV_PLOT):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     table = (out / "benchmark.md").read_text()
     assert "| oracle |" in table and "| tova |" in table and "budget 0.25" in table
@@ -369,9 +398,23 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     )
     assert "NLL difference per token from `knorm` on the same windows" in table
     assert "| tova | {:+.3f} ({:+.3f} to {:+.3f}) |".format(paired["difference"], *paired["ci95"]) in table
+    gain = next(
+        r["allocation_gain"]
+        for r in result["rows"]
+        if (r.get("corpus"), r["method"], r["budget"]) == (ALL, "tova+head", 0.25)
+    )
+    assert gain["against"] == "tova" and "adaptive allocation's NLL gain per token" in table
+    assert (
+        "| tova+head | " in table
+        and "{:+.3f} ({:+.3f} to {:+.3f})".format(gain["difference"], *gain["ci95"]) in table
+    )
+    assert (
+        "Uniform rows only (scores not comparable across heads, so no adaptive allocation): knorm." in table
+    )
     assert result["seconds"]["question_in/niah_single/256"]["n"] == 2
     snippet = (out / "headline.md").read_text()
-    assert snippet == headline(result) and "Budget 10%" in snippet and "real text 96" in snippet
+    assert snippet == headline(result, KV_PLOT) and f"]({KV_PLOT})" in snippet
+    assert "Budget 10%" in snippet and "Budget 5%" not in snippet and "| tova+head |" in snippet
     # `report` regenerates the same files from the JSON alone.
     (out / "headline.md").unlink()
     assert main(["report", str(out / "benchmark.json")]) == 0
@@ -635,7 +678,7 @@ def test_decode_rows_caps_and_resume(tiny, tmp_path, fake_corpora, work):
     assert {(r["method"], r["budget"]) for r in rows} == set(grid)
     for r in rows:
         paired = r["method"] not in (FULL, "knorm")
-        assert set(r) == TEXT_FIELDS | ({"paired"} if paired else set()) and r["context_tokens"] == 24
+        assert set(r) == DECODE_FIELDS | ({"paired"} if paired else set()) and r["context_tokens"] == 24
     by_key = {(r["corpus"], r["method"], r["budget"]): r for r in rows}
     for (name, method, cap), row in by_key.items():
         full = by_key[name, FULL, None]["nll"]
@@ -741,3 +784,159 @@ def test_decode_config_errors():
         decode_config(decode_chunk_tokens=0)
     with pytest.raises(ValueError, match="oracle_horizon"):
         decode_config(oracle_horizon=0)
+
+
+def adaptive_config(**overrides) -> BenchmarkConfig:
+    options = dict(screened_tasks=[], protocols=["question_after"], tasks=["niah_single"], corpora=["kjv"],
+                   samples={256: 2}, text_windows={96: 2}, allocations=["uniform", "head"])  # fmt: skip
+    return small_config(**{**options, **overrides})
+
+
+def test_adaptive_rows_for_comparable_methods_only(tiny, tmp_path, fake_corpora, work):
+    """knorm gets no adaptive row; snapkv's and the oracle's are the caches a user builds with
+    allocation="head", paired with their uniform rows; a rerun computes nothing."""
+    model, tokenizer = tiny
+    config = adaptive_config()
+    assert config.row_methods() == ["knorm", "snapkv", "snapkv+head", ORACLE, "oracle+head"]
+    result = run(model, tokenizer, config, tmp_path)
+    assert result["pending"] == []
+    for protocol in ("question_after", PERPLEXITY):
+        methods = {r["method"] for r in result["rows"] if r["protocol"] == protocol}
+        assert methods == {FULL, "knorm", "snapkv", "snapkv+head", ORACLE, "oracle+head"}
+    records = latest_records(tmp_path)
+    text = [records["shards/perplexity/kjv/96.jsonl", i] for i in range(2)]
+    windows = realtext.windows(realtext.corpus_tokens("kjv", tokenizer), 96 + 12, 2)
+    for budget in config.budgets:
+        for index, record in enumerate(text):  # the NLL of the cache a user builds
+            with torch.no_grad():
+                prefilled = prefill(model, windows[index][:, :96])
+                cache = KVPCache.from_prefill(
+                    prefilled,
+                    model,
+                    method="snapkv",
+                    budget=budget,
+                    allocation="head",
+                    compress="first_prefill",
+                )
+                nll = realtext.continuation_nll(model, prefilled, cache, windows[index][:, 96:]).item()
+            assert record["nll"][method_key("snapkv+head", budget)] == pytest.approx(nll, abs=1e-5)
+        row = next(
+            r
+            for r in result["rows"]
+            if (r.get("corpus"), r["method"], r["budget"]) == (ALL, "snapkv+head", budget)
+        )
+        gain = [
+            r["nll"][method_key("snapkv", budget)] - r["nll"][method_key("snapkv+head", budget)] for r in text
+        ]
+        assert row["allocation_gain"] == {"against": "snapkv", "difference": pytest.approx(sum(gain) / 2),
+                                          "ci95": list(bootstrap_interval(gain))}  # fmt: skip
+        uniform = next(
+            r
+            for r in result["rows"]
+            if (r.get("corpus"), r["method"], r["budget"]) == (ALL, "snapkv", budget)
+        )
+        assert "allocation_gain" not in uniform
+        # Equal total entries: the ragged cache's bytes are the uniform one's, up to its per-head metadata.
+        assert row["kv_share"] == pytest.approx(uniform["kv_share"], rel=0.05) and 0 < row["kv_share"] < 1
+    assert any(
+        r["nll"][method_key(name + "+head", b)] != r["nll"][method_key(name, b)]
+        for r in text for name in ("snapkv", ORACLE) for b in config.budgets
+    )  # fmt: skip
+    # The KV bytes were measured on one window: the other window's caches hold the same bytes.
+    with torch.no_grad():
+        prefilled = prefill(model, windows[1][:, :96])
+        cache = KVPCache.from_prefill(
+            prefilled, model, method="snapkv", budget=0.25, allocation="head", compress="first_prefill"
+        )
+    row = next(
+        r
+        for r in result["rows"]
+        if (r.get("corpus"), r["method"], r["budget"]) == ("kjv", "snapkv+head", 0.25)
+    )
+    assert row["kv_bytes"] == cache.kv_bytes()
+    work.clear()
+    assert run(model, tokenizer, config, tmp_path)["rows"] == result["rows"] and not work
+    with pytest.raises(ValueError, match="allocations"):
+        adaptive_config(allocations=["uniform", "global"])
+    with pytest.raises(ValueError, match="allocations"):
+        adaptive_config(allocations=["head", "head"])
+
+
+def test_adaptive_rows_top_up_uniform_records(tiny, tmp_path, fake_corpora, work):
+    """Records without an allocation are the uniform rows: adding allocations computes the adaptive
+    rows only and leaves every uniform answer as it was."""
+    model, tokenizer = tiny
+    uniform = adaptive_config(allocations=["uniform"])
+    adaptive = adaptive_config()
+    assert uniform.fingerprint(None) == adaptive.fingerprint(None)  # the legacy hash included
+    before = run(model, tokenizer, uniform, tmp_path)
+    records = latest_records(tmp_path)
+    assert not any("+" in key for r in records.values() for key in r.get("nll", r.get("scores", {})))
+    work.clear()
+    result = run(model, tokenizer, adaptive, tmp_path)
+    # One prefill per sample (2 needle, 2 text) plus the adaptive rows' KV bytes; snapkv's and the
+    # oracle's scorers only; one NLL forward per window, budget and adaptive method.
+    assert work == Counter({"prefill": 5, "snapkv": 5, ORACLE: 5, "continuation_nll": 2 * 2 * 2})
+    for key, record in latest_records(tmp_path).items():
+        for name in ("predictions", "scores", "nll"):
+            if name in record:
+                assert {k: v for k, v in record[name].items() if "+" not in k} == records[key][name]
+    assert [r for r in result["rows"] if "+" not in r["method"]] == before["rows"]
+
+
+def test_another_calibration_recomputes_only_the_learned_adaptive_rows(tiny, tmp_path, fake_corpora, work):
+    model, tokenizer = tiny
+    plain = saved_policy(model, 1, tmp_path / "plain")
+    tilted = tiny_policy(model, seed=1)
+    shape = (len(tilted.layer_indices), model.config.num_key_value_heads)
+    weight = torch.linspace(0.2, 5.0, shape[0] * shape[1]).view(shape)
+    tilted.calibration = Calibration(torch.ones(shape), weight)
+    tilted.save_pretrained(tmp_path / "tilted")
+    tilted = load_policy(tmp_path / "tilted")
+    assert tilted.weights_sha256 == plain.weights_sha256
+    config = adaptive_config(methods=["knorm", "kvp"], policy="tiny", protocols=[], oracle=False)
+    run(model, tokenizer, config, tmp_path / "out", plain)
+    before = latest_records(tmp_path / "out")
+    assert {r.get("calibration") for r in before.values()} == {None}
+    work.clear()
+    run(model, tokenizer, config, tmp_path / "out", tilted)
+    # One prefill per window, no KV bytes (the calibration does not change them); kvp+head's rows only.
+    assert work == Counter({"prefill": 2, "kvp": 2, "continuation_nll": 2 * 2})
+    for key, record in latest_records(tmp_path / "out").items():
+        assert (
+            record["calibration"]
+            == Benchmark(model, tokenizer, config, tmp_path, tilted).fingerprint.calibration
+        )
+        assert {k: v for k, v in record["nll"].items() if "+" not in k} == {
+            k: v for k, v in before[key]["nll"].items() if "+" not in k
+        }
+        assert any(record["nll"][k] != before[key]["nll"][k] for k in record["nll"] if "+" in k)
+
+
+def test_oracle_scores_are_comparable_across_heads():
+    importance = {0: torch.tensor([[0.5, 0.1, 0.0, 0.3], [0.2, 0.0, 0.9, 0.1]])}
+    oracle = OracleScorer(importance)
+    assert OracleScorer.comparable_across_heads and not benchmark.uniform_only([ORACLE, "snapkv"], ["head"])
+    keys = torch.zeros(2, 2, 4, 8)
+    scores = oracle.score(keys, keys, torch.arange(4).expand(2, -1), layer_idx=0)
+    valid = torch.ones(2, 2, 4, dtype=torch.bool)
+    valid[1, :, 3] = False
+    shared = oracle.cross_head_scores(scores, valid, 0)
+    assert shared.dtype == torch.float32 and shared.shape == (2, 2, 4)
+    assert torch.equal(shared[0], importance[0]) and torch.equal(shared[1, :, :3], importance[0][:, :3])
+    assert bool((shared[1, :, 3] == float("-inf")).all())
+    assert benchmark.uniform_only(["knorm", "snapkv", "streaming_llm"], ["uniform", "head"]) == [
+        "knorm",
+        "streaming_llm",
+    ]
+    assert benchmark.uniform_only(["knorm"], ["uniform"]) == []
+
+
+@pytest.mark.parametrize("path", ["eval/results/smollm2", "eval/results/gemma3-270m"])
+def test_reports_of_benchmarks_before_allocations_are_unchanged(path):
+    """A benchmark.json without allocations (uniform rows only) regenerates its committed report."""
+    folder = Path(__file__).resolve().parents[1] / path
+    result = json.loads((folder / "benchmark.json").read_text())
+    assert "allocations" not in result["config"]
+    assert report_markdown(result) == (folder / "benchmark.md").read_text()
+    assert headline(result) == (folder / "headline.md").read_text()
