@@ -16,7 +16,7 @@ from kvp_cache.compat import cache_kwarg
 from kvp_cache.policy import HeadAgents, KVPolicy
 from kvp_cache.targets import eviction_points
 from train import data, fit, supervised
-from train.batch import pad_batch
+from train.batch import one_row_positions, pad_batch
 from train.decode import DecodeCollectConfig, stored_evictions, write_decode_traces
 from train.decode_downstream import DecodeDownstreamConfig, sequence_nll
 from train.downstream import FULL
@@ -106,7 +106,7 @@ def test_collection_matches_brute_force_attention_and_resumes(tmp_path, llama):
 def test_batch_scores_every_token_as_it_entered_the_cache():
     torch.manual_seed(0)
     agents = HeadAgents(2, 8, 16, 4, 16, 2, "scale", trained_length=16)
-    prompt, chunks = 10, [3, 3, 1]
+    prompt, chunks = 10, [3, 3] + [1] * 6  # decoded one-token rows on both sides of the table's end (15)
     n = prompt + sum(chunks)
     keys, values = torch.randn(2, n, 8), torch.randn(2, n, 8)
     importance = torch.rand(2, 2, n)
@@ -117,6 +117,8 @@ def test_batch_scores_every_token_as_it_entered_the_cache():
     prefilled = LayerSample(keys[:, :9], values[:, :9], torch.rand(2, 9), {}, "p/0", "p")
     batch = pad_batch([prefilled, decoded])
     assert batch.importance.shape == (3, 2, n) and batch.valid.sum(-1).tolist() == [9, 13, n]
+    one_token = next(positions for _, positions in batch.entries if positions.shape == (6, 1))
+    assert one_row_positions(agents, one_token) is not None  # scored as one wide row
     scores = batch.scores(agents)
     with torch.no_grad():
         # The cache scores a forward's tokens as one row, at their indices in the sequence.

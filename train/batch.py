@@ -51,10 +51,34 @@ class Batch:
         flat_values = self.values.transpose(1, 2).reshape(s * n, h, d)
         flat = self.keys.new_full((s * n, h), float("-inf"))
         for index, positions in self.entries:
-            rows = agents(flat_keys[index].transpose(1, 2), flat_values[index].transpose(1, 2), positions)
+            merged = one_row_positions(agents, positions)
+            if merged is not None:  # [1, rows * L]: one wide row instead of many short ones
+                index = index.reshape(1, -1)
+            rows = agents(
+                flat_keys[index].transpose(1, 2),
+                flat_values[index].transpose(1, 2),
+                positions if merged is None else merged,
+            )
             flat = flat.index_put((index.reshape(-1),), rows.transpose(1, 2).reshape(-1, h))
         per_sequence = flat.view(s, n, h).transpose(1, 2)
         return per_sequence[self.sequence].masked_fill(~self.valid[:, None, :], float("-inf"))
+
+
+def one_row_positions(agents: HeadAgents, positions: torch.Tensor) -> torch.Tensor | None:
+    """Positions ``[1, rows * L]`` of ONE row whose tokens read the same position-table rows as
+    ``positions`` ``[rows, L]`` read as separate rows, or None when there are none.
+
+    A token's score depends on its key, its value and its table row alone, so such a row scores
+    every token as its own row would (up to float rounding). It exists for one-token rows (decoded tokens: "clamp" and
+    "scale" read row ``min(p, top)``, "recency" row 0), and is checked, not assumed. The agents
+    repeat their weights per row, so thousands of one-token rows would cost far more than one.
+    """
+    if positions.shape[0] == 1:
+        return None
+    wanted = agents.table_positions(positions).reshape(1, -1)
+    merged = wanted.round().long()
+    # Up to float rounding (p * (top / p) need not be exactly top): a 1e-4 row apart is the same row.
+    return merged if torch.allclose(agents.table_positions(merged), wanted, rtol=0, atol=1e-4) else None
 
 
 def entry_forwards(sample: LayerSample) -> list[int]:
