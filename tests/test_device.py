@@ -67,3 +67,19 @@ def test_benchmark_on_device_matches_cpu(device, tmp_path, fake_corpora):
         else:  # NLL increase over the full cache, and the full cache's own NLL
             assert rows[device][key]["score"] == pytest.approx(row["score"], abs=1e-3), key
             assert rows[device][key]["nll"] == pytest.approx(row["nll"], abs=1e-3), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=lambda dtype: str(dtype).removeprefix("torch."))
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("method", ["kvp", "snapkv"])
+def test_adaptive_allocation_matches_reference_on_device_and_dtype(method, kind, dtype, device):
+    """The ragged per-head layout and its attention keep the model's device and dtype."""
+    model = tiny_model(kind, attn_implementation="sdpa").to(device=device, dtype=dtype)
+    options = {"policy": tiny_policy(model)} if method == "kvp" else {}
+    cache = make_cache(model, method, budget=0.4, allocation="head", **options)
+    prompt = ids(length=50, seed=2).to(device)
+    check_generate_against_reference(model, prompt, cache, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    for layer in cache.evicting_layers:
+        assert layer.keys.device.type == device and layer.keys.dtype == dtype
+        assert layer.positions.device.type == device and layer.valid.device.type == device
