@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvp_cache.budget import protected_entries
-from kvp_cache.cache import EvictingLayer, select_slots
+from kvp_cache.cache import EvictingLayer
 from kvp_cache.capture import append_queries, drop_last_queries
 
 if TYPE_CHECKING:
@@ -186,28 +186,29 @@ class RaggedLayer(EvictingLayer):
     def keep(self, counts: torch.Tensor, ranks: torch.Tensor) -> None:
         """Keep the ``counts[row, h]`` entries of rank ``< counts`` in each head, in their order.
 
-        counts: ``[batch, kv_heads]``; ranks: ``[batch, kv_heads, max lengths]`` from
-        :func:`kvp_cache.allocation.entry_ranks` (valid entries before invalid ones)."""
+        counts: ``[batch, kv_heads]``, never above a head's valid entries; ranks: ``[batch, kv_heads,
+        max lengths]`` from :func:`kvp_cache.allocation.entry_ranks` (valid entries first). A row
+        keeping fewer than its head's longest row ends that head with invalid filler slots."""
         self.appended_since_eviction = 0
         self.pending_forward = 0
-        fields = self._fields()
-        pieces = {name: [] for name in fields}
-        lengths = []
-        for i, (where, valid) in enumerate(zip(self.head_slices(), self.heads("valid"), strict=True)):
+        indices, valid, lengths = [], [], []
+        for i, where in enumerate(self.head_slices()):
             kept = counts[:, i]
             slots = int(kept.max())
-            index = select_slots(-ranks[:, i : i + 1, : valid.shape[1]].float(), valid, kept, slots)[:, 0]
-            for name in fields:
-                head = getattr(self, name)[:, where]
-                if name == "valid":
-                    head = torch.arange(slots, device=self.device)[None, :] >= (slots - kept)[:, None]
-                elif head.dim() == 3:
-                    head = head.gather(1, index[..., None].expand(-1, -1, head.shape[-1]))
-                else:
-                    head = head.gather(1, index)
-                pieces[name].append(head)
+            chosen = ranks[:, i, : where.stop - where.start] < kept[:, None]
+            order = (
+                (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[:, :slots]
+            )  # chosen first, in order
+            indices.append(order + where.start)
+            valid.append(torch.arange(slots, device=self.device)[None, :] < kept[:, None])
             lengths.append(slots)
-        self._pack(pieces, lengths)
+        index = torch.cat(indices, dim=1)
+        for name in self._fields():
+            packed = getattr(self, name)
+            gather = index if packed.dim() == 2 else index[..., None].expand(-1, -1, packed.shape[-1])
+            setattr(self, name, packed.gather(1, gather))
+        self.valid = torch.cat(valid, dim=1)
+        self.lengths = lengths
 
     def kept_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(positions, valid)``, each ``[batch, kv_heads, max lengths]``: the logical position of
