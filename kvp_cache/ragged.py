@@ -18,6 +18,7 @@ allocation compares entries across layers, so no layer can evict before the last
 
 from __future__ import annotations
 
+import itertools
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -66,8 +67,8 @@ class RaggedLayer(EvictingLayer):
 
     def head_slices(self) -> list[slice]:
         """Where each head's slots lie along the packed slot axis."""
-        starts = [sum(self.lengths[:h]) for h in range(len(self.lengths))]
-        return [slice(start, start + n) for start, n in zip(starts, self.lengths, strict=True)]
+        ends = list(itertools.accumulate(self.lengths))
+        return [slice(end - n, end) for end, n in zip(ends, self.lengths, strict=True)]
 
     def heads(self, name: str) -> list[torch.Tensor]:
         """Field ``name`` split per head: views ``[batch, lengths[h], ...]``."""
@@ -204,6 +205,8 @@ class RaggedLayer(EvictingLayer):
             lengths.append(slots)
         index = torch.cat(indices, dim=1)
         for name in self._fields():
+            if name == "valid":  # rebuilt below: kept slots first, fillers after
+                continue
             packed = getattr(self, name)
             gather = index if packed.dim() == 2 else index[..., None].expand(-1, -1, packed.shape[-1])
             setattr(self, name, packed.gather(1, gather))
