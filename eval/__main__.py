@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma list of uniform, layer, head: a row per allocation for every method whose scores "
                        "are comparable across heads (others: uniform only), e.g. kvp+head beside kvp "
                        "(default: uniform,head; the decode protocol stays uniform)")  # fmt: skip
+    bench.add_argument("--min-per-head", type=int, default=None,
+                       help="entries every KV head of an adaptive row keeps at least, protected ones "
+                       "included (default: the cache's, the sinks and window plus "
+                       "kvp_cache.allocation.MIN_EXTRA_PER_HEAD)")  # fmt: skip
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
     bench.add_argument("--samples", type=comma_list(int), default=None,

@@ -20,7 +20,8 @@ benchmarked; the rest are listed as excluded with their full-cache scores.
 Allocations (``allocations``): every method whose scores are comparable across heads
 (``Scorer.comparable_across_heads``, the oracle's too) gets a row per allocation, named
 ``<method>+<allocation>`` (``kvp+head``) beside its uniform row ``<method>``; the other methods get
-their uniform row only. The ``decode`` protocol stays uniform. Real-text rows carry the KV bytes of
+their uniform row only; every KV head of an adaptive row keeps at least ``min_per_head`` entries.
+The ``decode`` protocol stays uniform. Real-text rows carry the KV bytes of
 their cache and its share of the full cache's (measured once per prefix length, :meth:`Benchmark.measure_kv_bytes`),
 and each adaptive row its paired NLL gain over the uniform row of its method.
 
@@ -54,7 +55,7 @@ from eval.stats import bootstrap_interval, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encode_prompt, stack_caches
 from kvp_cache import KVPCache, ruler
 from kvp_cache.allocation import MODES, validate_mode
-from kvp_cache.budget import Budget, validate_budget
+from kvp_cache.budget import Budget, validate_budget, validate_count
 from kvp_cache.cache import cache_bytes
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
@@ -114,12 +115,17 @@ class BenchmarkConfig:
     (:data:`kvp_cache.allocation.MODES`); a non-uniform one adds a row ``<method>+<allocation>`` for
     every method that can rank it (:func:`comparable_across_heads`), at the same total entries.
     The needle and real-text protocols only: ``decode`` rows are uniform.
+    min_per_head: the entries every KV head of an adaptive row keeps at least (``KVPCache``'s
+    ``min_per_head``, protected ones included); None: the cache's default, the protected entries plus
+    :data:`kvp_cache.allocation.MIN_EXTRA_PER_HEAD`. Records name it with their adaptive answers, which
+    another value recomputes (:func:`missing_rows`).
     """
 
     methods: list[str]
     policy: str | None = None
     budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
     allocations: list[str] = field(default_factory=lambda: [UNIFORM, "head"])
+    min_per_head: int | None = None
     protocols: list[str] = field(default_factory=lambda: list(NEEDLE_PROTOCOLS))
     tasks: list[str] = field(default_factory=lambda: list(NEEDLE_TASKS))
     screened_tasks: list[str] = field(default_factory=lambda: list(SCREENED_TASKS))
@@ -153,6 +159,11 @@ class BenchmarkConfig:
             raise ValueError(f"allocations must be distinct values among {MODES}, got {self.allocations}")
         for allocation in self.allocations:
             validate_mode(allocation, "allocations")
+        if self.min_per_head is not None:
+            validate_count("min_per_head", self.min_per_head, 1)
+            small = [b for b in self.budgets if isinstance(b, int) and b < self.min_per_head]
+            if small:
+                raise ValueError(f"min_per_head ({self.min_per_head}) exceeds the per-head budgets {small}")
         self.samples = {int(k): v for k, v in self.samples.items()}
         self.text_windows = {int(k): v for k, v in self.text_windows.items()}
         unknown = sorted(set(self.protocols) - set(NEEDLE_PROTOCOLS))
@@ -254,6 +265,8 @@ class BenchmarkConfig:
         and the record names the policy of its learned answers, so another method list, budget list
         or policy tops records up instead of discarding them. ``calibration_sha256``: the policy's
         cross-head calibration, which its adaptive answers also depend on (:func:`is_calibrated`).
+        ``min_per_head`` stays out of it too: only adaptive answers depend on it (:func:`is_adaptive`),
+        and records name it, so another value recomputes those alone.
         """
         keys = {
             "seed": self.seed,
@@ -266,7 +279,7 @@ class BenchmarkConfig:
         # The legacy format predates allocations: its method list is the uniform one.
         methods = self.methods + ([ORACLE] if self.oracle else [])
         legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
-        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256)
+        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256, self.min_per_head)
 
 
 def shard(out: Path, fingerprint: Fingerprint, *parts: object, fields: dict | None = None) -> Shard:
@@ -294,12 +307,16 @@ class Fingerprint:
         complete records of ``policy`` (and rewritten in today's format by the next run).
     calibration: sha256 of the policy's cross-head calibration (None without one); a record's
         learned adaptive answers (:func:`is_calibrated`) are recomputed when it names another one.
+    min_per_head: :attr:`BenchmarkConfig.min_per_head`; a record's adaptive answers
+        (:func:`is_adaptive`) are recomputed when it names another one (records without the field,
+        made before it existed, used the default, None).
     """
 
     config: str
     policy: str | None
     legacy: str
     calibration: str | None = None
+    min_per_head: int | None = None
 
 
 def method_key(method: str, budget: Budget | None) -> str:
@@ -312,10 +329,16 @@ def is_learned(key: str) -> bool:
     return split_row(key.split("@")[0])[0] in methods(learned=True)
 
 
+def is_adaptive(key: str) -> bool:
+    """Whether the answer named ``key`` comes from an adaptive allocation (``kvp+head@0.1``), so it
+    depends on the minimum per head."""
+    return split_row(key.split("@")[0])[1] != UNIFORM
+
+
 def is_calibrated(key: str) -> bool:
     """Whether the answer named ``key`` also depends on the policy's cross-head calibration: a
     learned method under an adaptive allocation."""
-    return is_learned(key) and split_row(key.split("@")[0])[1] != UNIFORM
+    return is_learned(key) and is_adaptive(key)
 
 
 ANSWER_FIELDS = ("predictions", "scores", "nll")
@@ -327,18 +350,20 @@ def missing_rows(
     grid: list[tuple[str, Budget | None]], fingerprint: Fingerprint, record: dict | None
 ) -> list[tuple[str, Budget | None]]:
     """The rows of ``grid`` (a cell's) that ``record`` lacks, or holds from another policy (learned
-    rows) or calibration (learned adaptive rows)."""
+    rows), calibration (learned adaptive rows) or minimum per head (adaptive rows)."""
     if record is None:
         return list(grid)
     held = {key for name in ANSWER_FIELDS for key in record.get(name, {})}
     fresh = record.get("policy") == fingerprint.policy
     calibrated = record.get("calibration") == fingerprint.calibration
+    minimum = record.get("min_per_head") == fingerprint.min_per_head
     return [
         (method, budget)
         for method, budget in grid
         if (key := method_key(method, budget)) not in held
         or (is_learned(key) and not fresh)
         or (is_calibrated(key) and not calibrated)
+        or (is_adaptive(key) and not minimum)
     ]
 
 
@@ -347,23 +372,30 @@ def topped_up(record: dict | None, new: dict, fingerprint: Fingerprint) -> dict:
 
     When ``new`` holds learned answers, the record's learned answers of another policy are dropped,
     and the record names ``fingerprint.policy``; likewise for learned adaptive answers and
-    ``fingerprint.calibration`` (named only once the record holds such answers).
+    ``fingerprint.calibration``, and for adaptive answers and ``fingerprint.min_per_head`` (each
+    named only once the record holds such answers).
     """
     old = dict(record or {})
     keys = [key for name in ANSWER_FIELDS for key in new.get(name, {})]
     learned = any(map(is_learned, keys))
     calibrated = any(map(is_calibrated, keys))
+    adaptive = any(map(is_adaptive, keys))
     stale = learned and old.get("policy") != fingerprint.policy
     stale_calibration = calibrated and old.get("calibration") != fingerprint.calibration
+    stale_minimum = adaptive and old.get("min_per_head") != fingerprint.min_per_head
     merged = {**old, **new, "policy": fingerprint.policy if learned else old.get("policy")}
     if calibrated:
         merged["calibration"] = fingerprint.calibration
+    if adaptive:
+        merged["min_per_head"] = fingerprint.min_per_head
     for name in ANSWER_FIELDS:
         if name in new:
             kept = {
                 k: v
                 for k, v in old.get(name, {}).items()
-                if not (stale and is_learned(k)) and not (stale_calibration and is_calibrated(k))
+                if not (stale and is_learned(k))
+                and not (stale_calibration and is_calibrated(k))
+                and not (stale_minimum and is_adaptive(k))
             }
             merged[name] = {**kept, **new[name]}
     for name in ("seconds", "cpu_seconds"):
@@ -441,17 +473,21 @@ class Cell:
 
 @dataclass
 class AllocatedDecoder(AnswerDecoder):
-    """An :class:`~eval.sweep.AnswerDecoder` whose caches split each budget by ``allocation``.
+    """An :class:`~eval.sweep.AnswerDecoder` whose caches split each budget by ``allocation``, each
+    head keeping at least ``min_per_head`` entries under an adaptive one (None: the cache's default).
 
     Uniform caches of one budget keep the same entries per head and stack into one batch; an
     adaptive cache keeps different entries per head, so it is a batch of its own.
     """
 
     allocation: str = UNIFORM
+    min_per_head: int | None = None
 
     def cache_options(self, method: str | Scorer, budget: Budget) -> dict:
         options = super().cache_options(method, budget)
-        return options if self.allocation == UNIFORM else {**options, "allocation": self.allocation}
+        if self.allocation == UNIFORM:
+            return options
+        return {**options, "allocation": self.allocation, "min_per_head": self.min_per_head}
 
     def caches(self, prefilled, methods: list, budget: Budget) -> list[KVPCache]:
         """One compressed cache of the prefill per method, all at ``budget``."""
@@ -490,7 +526,13 @@ class Benchmark:
         self.device = next(model.parameters()).device
         self.decoders = {
             allocation: AllocatedDecoder(
-                model, tokenizer, config.sink_tokens, config.window_tokens, policy, allocation=allocation
+                model,
+                tokenizer,
+                config.sink_tokens,
+                config.window_tokens,
+                policy,
+                allocation=allocation,
+                min_per_head=config.min_per_head,
             )
             for allocation in MODES
         }
@@ -559,7 +601,7 @@ class Benchmark:
         prefix length ``context``, into the shard ``kv_bytes/<context>``.
 
         They depend on the prefix length, the budget and the allocation (adaptive caches keep the
-        same total entries as uniform ones), never on the text, so the first window of the first
+        same total entries as uniform ones, whatever their minimum per head), never on the text, so the first window of the first
         corpus measures them, once per row: one prefill, then each missing row compressed.
         """
         sizes = self.shard(KV_BYTES, context)

@@ -913,6 +913,62 @@ def test_another_calibration_recomputes_only_the_learned_adaptive_rows(tiny, tmp
         assert any(record["nll"][k] != before[key]["nll"][k] for k in record["nll"] if "+" in k)
 
 
+def test_another_min_per_head_recomputes_only_the_adaptive_rows(
+    tiny, tmp_path, fake_corpora, work, monkeypatch
+):
+    """Adaptive answers are tied to min_per_head as learned ones are to the policy: the hash stays, records
+    made before the field existed are the default's, and another value recomputes the adaptive rows
+    alone, with caches built with it."""
+    model, tokenizer = tiny
+    config, fewer = adaptive_config(), adaptive_config(min_per_head=21)
+    assert config.fingerprint(None).config == fewer.fingerprint(None).config
+    before = run(model, tokenizer, config, tmp_path)
+    for shard in sample_shards(tmp_path):  # as written before the field existed
+        records = [json.loads(line) for line in shard.read_text().splitlines()]
+        assert {r["min_per_head"] for r in records} == {None}
+        shard.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "min_per_head"}) + "\n"
+                                 for r in records))  # fmt: skip
+    records = latest_records(tmp_path)
+    assert benchmark_result(config, tmp_path, config.fingerprint(None), {})["rows"] == before["rows"]
+    pending = benchmark_result(fewer, tmp_path, fewer.fingerprint(None), {})["pending"]
+    assert [(p["done"], p["missing"]) for p in pending] == [(0, [ORACLE + "+head", "snapkv+head"])] * 2
+    built, from_prefill = [], KVPCache.from_prefill
+
+    def spy(prefilled, model, **options):
+        built.append((options.get("allocation", "uniform"), options.get("min_per_head")))
+        return from_prefill(prefilled, model, **options)
+
+    monkeypatch.setattr(KVPCache, "from_prefill", spy)
+    work.clear()
+    result = run(model, tokenizer, fewer, tmp_path)
+    # One prefill per sample (2 needle, 2 text), no KV bytes (the total entries are the same);
+    # snapkv's and the oracle's adaptive caches only, each built with the new minimum.
+    assert work == Counter({"prefill": 4, "snapkv": 4, ORACLE: 4, "continuation_nll": 2 * 2 * 2})
+    assert built == [("head", 21)] * (2 + 2) * 2 * 2
+    after = latest_records(tmp_path)
+    for key, record in after.items():
+        assert record["min_per_head"] == 21
+        for name in ("predictions", "scores", "nll"):
+            if name in record:
+                assert {k: v for k, v in record[name].items() if "+" not in k} == {
+                    k: v for k, v in records[key][name].items() if "+" not in k
+                }
+    assert any(
+        r["nll"][k] != records[key]["nll"][k] for key, r in after.items() if "nll" in r for k in r["nll"]
+    )
+    assert [r for r in result["rows"] if "+" not in r["method"]] == [
+        r for r in before["rows"] if "+" not in r["method"]
+    ]
+    # Back to the default: the adaptive rows are recomputed, to the first run's.
+    built.clear()
+    assert run(model, tokenizer, config, tmp_path)["rows"] == before["rows"]
+    assert set(built) == {("head", None)}
+    with pytest.raises(ValueError, match="min_per_head"):
+        adaptive_config(min_per_head=0)
+    with pytest.raises(ValueError, match="min_per_head"):
+        adaptive_config(budgets=[16], min_per_head=21)
+
+
 def test_oracle_scores_are_comparable_across_heads():
     importance = {0: torch.tensor([[0.5, 0.1, 0.0, 0.3], [0.2, 0.0, 0.9, 0.1]])}
     oracle = OracleScorer(importance)
