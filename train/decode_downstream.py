@@ -155,8 +155,9 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
 
     records = score_examples(log, examples, weights, kept, methods, config.caps, score, "downstream-decode")
     first = next(iter(policies.values()), None)
+    weight = next(model.parameters())
     head = {
-        "provenance": provenance(settings["model"], str(next(model.parameters()).dtype), "cpu", policy=first),
+        "provenance": provenance(settings["model"], str(weight.dtype), str(weight.device), policy=first),
         "policies": {name: policy_record(policy) for name, policy in policies.items()},
         "traces": str(config.traces),
         "split": config.split,
