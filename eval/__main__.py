@@ -218,7 +218,8 @@ def run_sweep_command(args, model, tokenizer, policy) -> None:
 
 
 def run_benchmark_command(args, model, tokenizer, policy) -> None:
-    from eval.benchmark import Benchmark, BenchmarkConfig, benchmark_result
+    from eval.benchmark import Benchmark, benchmark_result
+    from eval.benchmark_config import BenchmarkConfig
     from eval.report import DOCS, README, write_report
 
     config = config_from_args(

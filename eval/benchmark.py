@@ -21,9 +21,9 @@ Allocations (``allocations``): every method whose scores are comparable across h
 (``Scorer.comparable_across_heads``, the oracle's too) gets a row per allocation, named
 ``<method>+<allocation>`` (``kvp+head``) beside its uniform row ``<method>``; the other methods get
 their uniform row only; every KV head of an adaptive row keeps at least ``min_per_head`` entries.
-The ``decode`` protocol stays uniform. Real-text rows carry the KV bytes of
-their cache and its share of the full cache's (measured once per prefix length, :meth:`Benchmark.measure_kv_bytes`),
-and each adaptive row its paired NLL gain over the uniform row of its method.
+The ``decode`` protocol stays uniform. Real-text rows carry the KV bytes of their cache and its share
+of the full cache's (measured once per prefix length, :meth:`Benchmark.measure_kv_bytes`), and each
+adaptive row its paired NLL gain over the uniform row of its method.
 
 Every sample is prefilled ONCE; every (method, budget) is compressed from that prefill
 (``KVPCache.from_prefill``) and all uniform methods of one budget decode together as one batch
@@ -32,16 +32,19 @@ finished sample is appended to a per-cell JSONL shard under ``<out>/shards``, so
 resumes where it stopped. A record holds one answer per (method, budget) and names the policy of its
 learned answers, so a new method, budget or policy tops records up (:meth:`Benchmark.run`) instead
 of recomputing them; ``benchmark.json`` holds one flat row per cell, built from the shards
-(:func:`collect_rows`), under the provenance of the run.
+(:func:`~eval.benchmark_rows.collect_rows`), under the provenance of the run.
+
+The parts live beside it: the configuration, row names and fingerprint in :mod:`eval.benchmark_config`,
+the resumable shard records in :mod:`eval.shards`, the rows of ``benchmark.json`` in
+:mod:`eval.benchmark_rows`, the caches and scorers built per prefill in :mod:`eval.benchmark_caches`.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,409 +52,30 @@ import torch
 from tqdm import tqdm
 
 from eval import realtext
-from eval.corpora import CORPORA, corpus
-from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
-from eval.stats import bootstrap_interval, wilson_interval
-from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, check_methods, encode_prompt, stack_caches
+from eval.benchmark_caches import AllocatedDecoder, scored_once
+from eval.benchmark_config import (
+    DECODE,
+    KV_BYTES,
+    PERPLEXITY,
+    TEMPLATE_TOKENS,
+    UNIFORM,
+    BenchmarkConfig,
+    Fingerprint,
+    split_row,
+)
+from eval.benchmark_rows import collect_rows
+from eval.corpora import corpus
+from eval.oracle import ORACLE, capped_oracle_scorer, future_states, oracle_scorer
+from eval.shards import Shard, method_key, missing_rows, shard, topped_up
+from eval.sweep import FULL, MAX_NEW_TOKENS, encode_prompt
 from kvp_cache import KVPCache, ruler
-from kvp_cache.allocation import MODES, validate_mode
-from kvp_cache.budget import Budget, validate_budget, validate_count
+from kvp_cache.allocation import MODES
+from kvp_cache.budget import Budget
 from kvp_cache.cache import cache_bytes
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
-from kvp_cache.scorers import SCORERS, Scorer, make_scorer, methods
+from kvp_cache.scorers import Scorer, make_scorer, methods
 from kvp_cache.targets import eviction_points
-
-NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
-SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
-NEEDLE_PROTOCOLS = ("question_in", "question_after")
-PERPLEXITY = "perplexity"
-DECODE = "decode"
-TEMPLATE_TOKENS = 64
-"""Room left in ``context_tokens`` for the chat template and answer prefix around a sample."""
-ALL = "all"
-"""The task or corpus of pooled rows: every sample of every task (corpus) of one protocol and length."""
-UNIFORM = "uniform"
-KV_BYTES = "kv_bytes"
-"""The shards of the measured KV bytes of every real-text row, one per prefix length."""
-
-
-def row_name(method: str, allocation: str) -> str:
-    """How rows and records name a method under an allocation: ``kvp`` (uniform), ``kvp+head``."""
-    return method if allocation == UNIFORM else f"{method}+{allocation}"
-
-
-def split_row(name: str) -> tuple[str, str]:
-    """``(method, allocation)`` of a row name (:func:`row_name`); ``full`` is uniform."""
-    method, _, allocation = name.partition("+")
-    return method, allocation or UNIFORM
-
-
-def comparable_across_heads(method: str) -> bool:
-    """Whether ``method`` (a registry name or the oracle) can rank an adaptive allocation."""
-    return (OracleScorer if method == ORACLE else SCORERS[method]).comparable_across_heads
-
-
-def uniform_only(method_names: list[str], allocations: list[str]) -> list[str]:
-    """The methods that get no adaptive row although ``allocations`` asks for one: their scores
-    are not comparable across heads."""
-    if all(allocation == UNIFORM for allocation in allocations):
-        return []
-    return [m for m in method_names if not comparable_across_heads(m)]
-
-
-@dataclass
-class BenchmarkConfig:
-    """What the benchmark covers; the defaults are the canonical SmolLM2 report.
-
-    samples: needle samples per task at each context length (``contexts`` must all be keys);
-    text_windows: real-text windows per corpus at each prefix length (``text_contexts`` keys).
-    decode_caps: the ``decode`` protocol's ``max_cache_tokens``, each an int (tokens) or a float in
-    (0, 1] (that share of ``decode_prompt_tokens + decode_tokens``, rounded); empty: no ``decode``.
-    decode_windows: its windows per corpus; decode_chunk_tokens: tokens per forward after the
-    prompt; evict_every: the capped cache's slack; oracle_horizon: queries after each eviction the
-    capped oracle reads (None: until the next eviction).
-    allocations: how each compressed row splits its budget among KV heads
-    (:data:`kvp_cache.allocation.MODES`); a non-uniform one adds a row ``<method>+<allocation>`` for
-    every method that can rank it (:func:`comparable_across_heads`), at the same total entries.
-    The needle and real-text protocols only: ``decode`` rows are uniform.
-    min_per_head: the entries every KV head of an adaptive row keeps at least (``KVPCache``'s
-    ``min_per_head``, protected ones included); None: the cache's default, the protected entries plus
-    :data:`kvp_cache.allocation.MIN_EXTRA_PER_HEAD`. Records name it with their adaptive answers, which
-    another value recomputes (:func:`missing_rows`).
-    """
-
-    methods: list[str]
-    policy: str | None = None
-    budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
-    allocations: list[str] = field(default_factory=lambda: [UNIFORM, "head"])
-    min_per_head: int | None = None
-    protocols: list[str] = field(default_factory=lambda: list(NEEDLE_PROTOCOLS))
-    tasks: list[str] = field(default_factory=lambda: list(NEEDLE_TASKS))
-    screened_tasks: list[str] = field(default_factory=lambda: list(SCREENED_TASKS))
-    min_full_score: float = 0.3
-    screen_samples: int = 20
-    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    samples: dict[int, int] = field(default_factory=lambda: {1024: 50, 2048: 50, 4096: 20, 8192: 20})
-    corpora: list[str] = field(default_factory=lambda: list(CORPORA))
-    text_contexts: list[int] = field(default_factory=lambda: [2048, 4096])
-    text_windows: dict[int, int] = field(default_factory=lambda: {2048: 50, 4096: 20})
-    continuation_tokens: int = 128
-    decode_caps: list[Budget] = field(default_factory=lambda: [256, 512, 1024, 0.1, 0.25])
-    decode_prompt_tokens: int = 1024
-    decode_tokens: int = 2048
-    decode_windows: int = 20
-    decode_chunk_tokens: int = 16
-    evict_every: int = 64
-    oracle_horizon: int | None = None
-    oracle: bool = True
-    essays_dir: str | None = None
-    seed: int = 0
-    sink_tokens: int = 4
-    window_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        check_methods(self.methods, self.policy)
-        if not self.budgets:
-            raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
-        self.budgets = [validate_budget(b) for b in self.budgets]
-        if not self.allocations or len(set(self.allocations)) != len(self.allocations):
-            raise ValueError(f"allocations must be distinct values among {MODES}, got {self.allocations}")
-        for allocation in self.allocations:
-            validate_mode(allocation, "allocations")
-        if self.min_per_head is not None:
-            validate_count("min_per_head", self.min_per_head, 1)
-            small = [b for b in self.budgets if isinstance(b, int) and b < self.min_per_head]
-            if small:
-                raise ValueError(f"min_per_head ({self.min_per_head}) exceeds the per-head budgets {small}")
-        self.samples = {int(k): v for k, v in self.samples.items()}
-        self.text_windows = {int(k): v for k, v in self.text_windows.items()}
-        unknown = sorted(set(self.protocols) - set(NEEDLE_PROTOCOLS))
-        if unknown:
-            raise ValueError(f"protocols must be among {', '.join(NEEDLE_PROTOCOLS)}; got {unknown}")
-        unknown = sorted(set(self.tasks + self.screened_tasks) - set(ruler.TASKS))
-        if unknown:
-            raise ValueError(f"tasks must be among {', '.join(ruler.TASKS)}; got {unknown}")
-        unknown = sorted(set(self.corpora) - set(CORPORA))
-        if unknown:
-            raise ValueError(f"corpora must be among {', '.join(CORPORA)}; got {unknown}")
-        for name, lengths, counts in (
-            ("contexts", self.contexts, self.samples),
-            ("text_contexts", self.text_contexts, self.text_windows),
-        ):
-            missing = [n for n in lengths if n not in counts]
-            if missing:
-                raise ValueError(f"{name} {missing} have no sample count; add them to the counts {counts}")
-            if any(isinstance(n, bool) or not isinstance(n, int) or n < 64 for n in lengths):
-                raise ValueError(f"{name} must be ints >= 64 tokens, got {lengths}")
-        counts = [*self.samples.values(), *self.text_windows.values(), self.screen_samples]
-        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
-            raise ValueError(f"sample counts must be ints >= 1, got {counts}")
-        if not 0.0 <= self.min_full_score <= 1.0:
-            raise ValueError(f"min_full_score must be in [0, 1], got {self.min_full_score}")
-        if self.continuation_tokens < 1:
-            raise ValueError(f"continuation_tokens must be >= 1, got {self.continuation_tokens}")
-        self.validate_decode()
-
-    def validate_decode(self) -> None:
-        self.decode_caps = [validate_budget(cap) for cap in self.decode_caps]
-        for name, minimum in (
-            ("decode_prompt_tokens", 1),
-            ("decode_tokens", 2),
-            ("decode_windows", 1),
-            ("decode_chunk_tokens", 1),
-            ("evict_every", 1),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-        if self.oracle_horizon is not None and self.oracle_horizon < 1:
-            raise ValueError(
-                f"oracle_horizon must be None (until the next eviction) or >= 1, got {self.oracle_horizon}"
-            )
-        protected = self.sink_tokens + self.window_tokens
-        small = [cap for cap in self.decode_caps if self.cap_tokens(cap) < protected]
-        if small:
-            raise ValueError(
-                f"decode_caps {small} keep fewer than sink_tokens + window_tokens = {protected} tokens "
-                f"(shares are of {self.decode_prompt_tokens + self.decode_tokens} tokens)"
-            )
-
-    def row_methods(self) -> list[str]:
-        """The compressed rows of every cell (:func:`row_name`), the oracle's last: each method
-        under each of ``allocations`` it can rank, its uniform row first."""
-        return [
-            row_name(method, allocation)
-            for method in self.methods + ([ORACLE] if self.oracle else [])
-            for allocation in self.allocations
-            if allocation == UNIFORM or comparable_across_heads(method)
-        ]
-
-    def grid(self) -> list[tuple[str, Budget | None]]:
-        """Every row of a cell: the full cache, then each (method, budget)."""
-        return [(FULL, None)] + [(m, b) for m in self.row_methods() for b in self.budgets]
-
-    def capped_methods(self) -> list[str]:
-        """The methods of the ``decode`` protocol: those that can rank decoded tokens."""
-        return [m for m in self.methods if SCORERS[m].scores_decoded_tokens]
-
-    def decode_grid(self) -> list[tuple[str, Budget | None]]:
-        """Every row of a ``decode`` cell: the uncapped cache, then each (method, cap), oracle last."""
-        capped = self.capped_methods() + ([ORACLE] if self.oracle else [])
-        return [(FULL, None)] + [(m, cap) for m in capped for cap in self.decode_caps]
-
-    def cap_tokens(self, cap: Budget) -> int:
-        """``max_cache_tokens`` of a cap: a token count, or a share of the ``decode`` window."""
-        return cap if isinstance(cap, int) else round(cap * (self.decode_prompt_tokens + self.decode_tokens))
-
-    def decode_fields(self) -> dict:
-        """What every ``decode`` record depends on besides the fingerprint and its cell (records
-        carry them; :class:`Shard` reads no record made with others)."""
-        return {
-            "windows": realtext.WINDOWS,
-            "decode_tokens": self.decode_tokens,
-            "chunk_tokens": self.decode_chunk_tokens,
-            "evict_every": self.evict_every,
-            "oracle_horizon": self.oracle_horizon,
-        }
-
-    def fingerprint(self, policy_sha256: str | None, calibration_sha256: str | None = None) -> Fingerprint:
-        """What the shard records of a run with the policy of ``policy_sha256`` must match.
-
-        The hash covers what EVERY answer of a record depends on: the samples (seed, essays, the
-        room left for the template, the continuation length) and the cache geometry (sink and
-        window). Methods, budgets and the policy stay out of it: a record names each answer by
-        method and budget (:func:`method_key`), one method's answers never depend on the others',
-        and the record names the policy of its learned answers, so another method list, budget list
-        or policy tops records up instead of discarding them. ``calibration_sha256``: the policy's
-        cross-head calibration, which its adaptive answers also depend on (:func:`is_calibrated`).
-        ``min_per_head`` stays out of it too: only adaptive answers depend on it (:func:`is_adaptive`),
-        and records name it, so another value recomputes those alone.
-        """
-        keys = {
-            "seed": self.seed,
-            "essays_dir": Path(self.essays_dir).name if self.essays_dir else None,
-            "sink": self.sink_tokens,
-            "window": self.window_tokens,
-            "continuation": self.continuation_tokens,
-            "template_tokens": TEMPLATE_TOKENS,
-        }
-        # The legacy format predates allocations: its method list is the uniform one.
-        methods = self.methods + ([ORACLE] if self.oracle else [])
-        legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
-        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256, self.min_per_head)
-
-
-def shard(out: Path, fingerprint: Fingerprint, *parts: object, fields: dict | None = None) -> Shard:
-    """The shard of cell ``parts`` (protocol, task or corpus, length) under ``out/shards``; ``fields``:
-    what its records must carry (real text: the window placement, :data:`eval.realtext.WINDOWS`)."""
-    if parts[0] == PERPLEXITY:
-        fields = {"windows": realtext.WINDOWS}
-    return Shard(Path(out) / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint, fields)
-
-
-def digest(keys: dict) -> str:
-    return hashlib.sha256(json.dumps(keys, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """Which shard records a run reads.
-
-    config: the hash of what every answer depends on (:meth:`BenchmarkConfig.fingerprint`), stored
-        in each record; records of another one are never read.
-    policy: sha256 of the policy's ``model.safetensors`` (None without a policy); learned answers
-        of a record naming another policy are recomputed.
-    legacy: the fingerprint records had when it also hashed the method list, budgets and policy.
-        Records carrying it were made with this configuration and policy: they are read as
-        complete records of ``policy`` (and rewritten in today's format by the next run).
-    calibration: sha256 of the policy's cross-head calibration (None without one); a record's
-        learned adaptive answers (:func:`is_calibrated`) are recomputed when it names another one.
-    min_per_head: :attr:`BenchmarkConfig.min_per_head`; a record's adaptive answers
-        (:func:`is_adaptive`) are recomputed when it names another one (records without the field,
-        made before it existed, used the default, None).
-    """
-
-    config: str
-    policy: str | None
-    legacy: str
-    calibration: str | None = None
-    min_per_head: int | None = None
-
-
-def method_key(method: str, budget: Budget | None) -> str:
-    """How a shard record names an answer: ``full`` or ``<row name>@<budget>`` (``kvp+head@0.1``)."""
-    return FULL if budget is None else f"{method}@{budget}"
-
-
-def is_learned(key: str) -> bool:
-    """Whether the answer named ``key`` (:func:`method_key`) comes from a learned policy."""
-    return split_row(key.split("@")[0])[0] in methods(learned=True)
-
-
-def is_adaptive(key: str) -> bool:
-    """Whether the answer named ``key`` comes from an adaptive allocation (``kvp+head@0.1``), so it
-    depends on the minimum per head."""
-    return split_row(key.split("@")[0])[1] != UNIFORM
-
-
-def is_calibrated(key: str) -> bool:
-    """Whether the answer named ``key`` also depends on the policy's cross-head calibration: a
-    learned method under an adaptive allocation."""
-    return is_learned(key) and is_adaptive(key)
-
-
-ANSWER_FIELDS = ("predictions", "scores", "nll")
-"""The fields of a record that map :func:`method_key` names to answers (needles: predictions and
-scores; real text: nll)."""
-
-
-def missing_rows(
-    grid: list[tuple[str, Budget | None]], fingerprint: Fingerprint, record: dict | None
-) -> list[tuple[str, Budget | None]]:
-    """The rows of ``grid`` (a cell's) that ``record`` lacks, or holds from another policy (learned
-    rows), calibration (learned adaptive rows) or minimum per head (adaptive rows)."""
-    if record is None:
-        return list(grid)
-    held = {key for name in ANSWER_FIELDS for key in record.get(name, {})}
-    fresh = record.get("policy") == fingerprint.policy
-    calibrated = record.get("calibration") == fingerprint.calibration
-    minimum = record.get("min_per_head") == fingerprint.min_per_head
-    return [
-        (method, budget)
-        for method, budget in grid
-        if (key := method_key(method, budget)) not in held
-        or (is_learned(key) and not fresh)
-        or (is_calibrated(key) and not calibrated)
-        or (is_adaptive(key) and not minimum)
-    ]
-
-
-def topped_up(record: dict | None, new: dict, fingerprint: Fingerprint) -> dict:
-    """``record`` with the answers and fields of ``new`` (computed for some rows) added; times add up.
-
-    When ``new`` holds learned answers, the record's learned answers of another policy are dropped,
-    and the record names ``fingerprint.policy``; likewise for learned adaptive answers and
-    ``fingerprint.calibration``, and for adaptive answers and ``fingerprint.min_per_head`` (each
-    named only once the record holds such answers).
-    """
-    old = dict(record or {})
-    keys = [key for name in ANSWER_FIELDS for key in new.get(name, {})]
-    learned = any(map(is_learned, keys))
-    calibrated = any(map(is_calibrated, keys))
-    adaptive = any(map(is_adaptive, keys))
-    stale = learned and old.get("policy") != fingerprint.policy
-    stale_calibration = calibrated and old.get("calibration") != fingerprint.calibration
-    stale_minimum = adaptive and old.get("min_per_head") != fingerprint.min_per_head
-    merged = {**old, **new, "policy": fingerprint.policy if learned else old.get("policy")}
-    if calibrated:
-        merged["calibration"] = fingerprint.calibration
-    if adaptive:
-        merged["min_per_head"] = fingerprint.min_per_head
-    for name in ANSWER_FIELDS:
-        if name in new:
-            kept = {
-                k: v
-                for k, v in old.get(name, {}).items()
-                if not (stale and is_learned(k))
-                and not (stale_calibration and is_calibrated(k))
-                and not (stale_minimum and is_adaptive(k))
-            }
-            merged[name] = {**kept, **new[name]}
-    for name in ("seconds", "cpu_seconds"):
-        merged[name] = old.get(name, 0.0) + new[name]
-    return merged
-
-
-class Shard:
-    """One cell's finished samples, one JSON line each (append-only; a torn last line is ignored).
-
-    A sample's later line replaces its earlier ones: a top-up appends the whole merged record.
-    ``fields``: values every record read must carry (real text: the window placement,
-    :data:`eval.realtext.WINDOWS`); records without them are never read.
-    """
-
-    def __init__(self, path: Path, fingerprint: Fingerprint, fields: dict | None = None):
-        self.path = path
-        self.fingerprint = fingerprint
-        self.fields = fields or {}
-
-    def records(self) -> dict[int, dict]:
-        """The latest record of each sample made under this fingerprint (or its legacy one, then
-        named after the fingerprint's policy)."""
-        found: dict[int, dict] = {}
-        if not self.path.exists():
-            return found
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # an interrupted write
-            if any(record.get(key) != value for key, value in self.fields.items()):
-                continue
-            if record.get("fingerprint") == self.fingerprint.legacy:
-                found[record["index"]] = {**record, "policy": self.fingerprint.policy}
-            elif record.get("fingerprint") == self.fingerprint.config:
-                found[record["index"]] = record
-        return found
-
-    def upgrade(self) -> None:
-        """Append, in today's format, every sample whose latest line has the legacy fingerprint, so
-        that its answers stay usable when the method list or the policy changes."""
-        for record in self.records().values():
-            if record["fingerprint"] == self.fingerprint.legacy:
-                self.append(record)
-
-    def append(self, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = (
-            self.path.exists() and not self.path.read_bytes().endswith(b"\n") and self.path.stat().st_size > 0
-        )
-        with self.path.open("a", encoding="utf-8") as handle:
-            # After an interrupted write, start on a new line so the torn one stays alone.
-            handle.write(
-                ("\n" if torn else "") + json.dumps({**record, "fingerprint": self.fingerprint.config}) + "\n"
-            )
 
 
 @dataclass
@@ -471,41 +95,9 @@ class Cell:
         self.records = self.shard.records()
 
 
-@dataclass
-class AllocatedDecoder(AnswerDecoder):
-    """An :class:`~eval.sweep.AnswerDecoder` whose caches split each budget by ``allocation``, each
-    head keeping at least ``min_per_head`` entries under an adaptive one (None: the cache's default).
-
-    Uniform caches of one budget keep the same entries per head and stack into one batch; an
-    adaptive cache keeps different entries per head, so it is a batch of its own.
-    """
-
-    allocation: str = UNIFORM
-    min_per_head: int | None = None
-
-    def cache_options(self, method: str | Scorer, budget: Budget) -> dict:
-        options = super().cache_options(method, budget)
-        if self.allocation == UNIFORM:
-            return options
-        return {**options, "allocation": self.allocation, "min_per_head": self.min_per_head}
-
-    def caches(self, prefilled, methods: list, budget: Budget) -> list[KVPCache]:
-        """One compressed cache of the prefill per method, all at ``budget``."""
-        return [
-            KVPCache.from_prefill(prefilled, self.model, **self.cache_options(m, budget)) for m in methods
-        ]
-
-    def compressed(self, prefilled, methods: list, budget: Budget) -> KVPCache:
-        caches = self.caches(prefilled, methods, budget)
-        if self.allocation == UNIFORM:
-            return stack_caches(caches)
-        if len(caches) != 1:
-            raise ValueError(f"allocation {self.allocation!r} caches do not stack: give one method at a time")
-        return caches[0]
-
-
 class Benchmark:
-    """Runs the cells of a :class:`BenchmarkConfig` into shards under ``out / "shards"``."""
+    """Runs the cells of a :class:`~eval.benchmark_config.BenchmarkConfig` into shards under
+    ``out / "shards"``."""
 
     def __init__(
         self,
@@ -601,8 +193,9 @@ class Benchmark:
         prefix length ``context``, into the shard ``kv_bytes/<context>``.
 
         They depend on the prefix length, the budget and the allocation (adaptive caches keep the
-        same total entries as uniform ones, whatever their minimum per head), never on the text, so the first window of the first
-        corpus measures them, once per row: one prefill, then each missing row compressed.
+        same total entries as uniform ones, whatever their minimum per head), never on the text, so
+        the first window of the first corpus measures them, once per row: one prefill, then each
+        missing row compressed.
         """
         sizes = self.shard(KV_BYTES, context)
         held = sizes.records().get(0, {}).get(KV_BYTES, {})
@@ -802,228 +395,9 @@ class Benchmark:
         return {"policy": self.decoder.policy} if method in methods(learned=True) else {}
 
 
-_SCORED_ONCE: dict[type, type] = {}
-
-
-def scored_once(scorer: Scorer) -> Scorer:
-    """``scorer``, changed to compute each layer's scores once and return them on later calls.
-
-    A method's scores depend on the prefill, never on the budget, so the caches of one sample at
-    every budget share them (H2O's, quadratic in the prompt, would otherwise dominate long contexts).
-    Use it for one prefill only.
-    """
-    cls = type(scorer)
-    if cls not in _SCORED_ONCE:
-
-        def score(self, keys, values, positions, queries=None, layer_idx=0):
-            # The sum tells this prefill's states from states appended later (a question's, say).
-            key = (layer_idx, tuple(keys.shape), float(keys.float().sum()))
-            if key not in self.memo:
-                self.memo[key] = cls.score(self, keys, values, positions, queries, layer_idx)
-            return self.memo[key]
-
-        _SCORED_ONCE[cls] = type(cls.__name__, (cls,), {"score": score, "__doc__": cls.__doc__})
-    scorer.__class__ = _SCORED_ONCE[cls]
-    scorer.memo = {}
-    return scorer
-
-
 def ids(tokens: torch.Tensor) -> list[int]:
     """The token ids of a batch-1 ``[1, n]`` tensor."""
     return tokens[0].tolist()
-
-
-def cell_row(where: dict, method: str, budget: float, metric: str, values: list[float], interval) -> dict:
-    """One flat row: ``where`` (protocol, task or corpus, context) then the mean of ``values`` and its CI."""
-    return {
-        **where,
-        "method": method,
-        "budget": budget,
-        "n": len(values),
-        "metric": metric,
-        "score": sum(values) / len(values),
-        "ci95": list(interval(values)),
-    }
-
-
-def needle_rows(
-    protocol: str, task: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]]
-) -> list[dict]:
-    """Rows of one needle cell: the full cache, then every method x budget of ``grid`` (accuracy, Wilson CI)."""
-    where = {"protocol": protocol, "task": task, "context_tokens": context}
-    return [
-        cell_row(
-            where,
-            method,
-            budget,
-            "accuracy",
-            [r["scores"][method_key(method, budget)] for r in records],
-            wilson_interval,
-        )
-        for method, budget in grid
-    ]
-
-
-def text_rows(
-    name: str,
-    context: int,
-    records: list[dict],
-    grid: list[tuple[str, Budget | None]],
-    reference: str | None,
-    protocol: str = PERPLEXITY,
-    sizes: dict[str, int] | None = None,
-) -> list[dict]:
-    """Rows of one real-text cell (``perplexity`` or ``decode``, where the budget is the cap): NLL per
-    token and its increase over the full cache (bootstrap CIs).
-
-    Every other compressed method's row also holds ``paired``: its per-window NLL minus that of
-    ``reference`` (the first method) at the same budget, mean and CI. The windows are shared, so
-    pairing removes their spread, which dominates the unpaired intervals; positive: ``reference``
-    lost less. An adaptive row (``kvp+head``) also holds ``allocation_gain``: the uniform row of its
-    method (``kvp``) minus its own per-window NLL; positive: the adaptive allocation lost less.
-    ``sizes``: the measured KV bytes by :func:`method_key` (:meth:`Benchmark.measure_kv_bytes`);
-    rows found there hold ``kv_bytes`` and ``kv_share``, their share of the full cache's bytes."""
-    where = {
-        "protocol": protocol,
-        "corpus": name,
-        "kind": corpus(name).kind if name != ALL else ALL,
-        "context_tokens": context,
-    }
-    full = [r["nll"][FULL] for r in records]
-    sizes = sizes or {}
-    rows = []
-    for method, budget in grid:
-        nll = [r["nll"][method_key(method, budget)] for r in records]
-        increase = [a - b for a, b in zip(nll, full, strict=True)]
-        row = cell_row(where, method, budget, "nll_increase", increase, bootstrap_interval)
-        row = {**row, "nll": sum(nll) / len(nll), "nll_ci95": list(bootstrap_interval(nll))}
-        if budget is not None and method != reference and (reference, budget) in grid:
-            against = [r["nll"][method_key(reference, budget)] for r in records]
-            difference = [a - b for a, b in zip(nll, against, strict=True)]
-            row["paired"] = {
-                "against": reference,
-                "difference": sum(difference) / len(difference),
-                "ci95": list(bootstrap_interval(difference)),
-            }
-        uniform = split_row(method)[0]
-        if budget is not None and uniform != method and (uniform, budget) in grid:
-            gain = [r["nll"][method_key(uniform, budget)] - a for r, a in zip(records, nll, strict=True)]
-            row["allocation_gain"] = {
-                "against": uniform,
-                "difference": sum(gain) / len(gain),
-                "ci95": list(bootstrap_interval(gain)),
-            }
-        if (key := method_key(method, budget)) in sizes and FULL in sizes:
-            row = {**row, "kv_bytes": sizes[key], "kv_share": sizes[key] / sizes[FULL]}
-        rows.append(row)
-    return rows
-
-
-def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
-    for context in config.contexts:
-        for protocol in config.protocols:
-            for task in config.tasks + config.screened_tasks:
-                yield protocol, task, context
-
-
-def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -> dict:
-    """``rows`` of every cell, plus ``pending`` cells and ``excluded`` tasks.
-
-    A row (method, budget) of a cell is reported once all the cell's samples hold it (learned rows from
-    ``fingerprint.policy``), so every reported row of a cell covers the same samples; a method added to
-    the grid later is pending while the finished rows stay reported. A cell with any row missing is
-    pending, with the samples that hold every row counted as done and the missing methods named."""
-
-    def records(*parts, fields: dict | None = None) -> dict[int, dict]:
-        return shard(out, fingerprint, *parts, fields=fields).records()
-
-    rows, pending, excluded, seconds = [], [], [], {}
-
-    def finished(
-        cell: dict, found: dict[int, dict], wanted: int, cell_grid: list | None = None
-    ) -> tuple[list[dict], list] | None:
-        """The cell's records in index order and the rows of its grid (default ``config.grid()``)
-        that all of them hold; None while the full cache's row is not done."""
-        cell_grid = config.grid() if cell_grid is None else cell_grid
-        missing = [set(missing_rows(cell_grid, fingerprint, found.get(i))) for i in range(wanted)]
-        grid = [row for row in cell_grid if not any(row in m for m in missing)]
-        if len(grid) < len(cell_grid):
-            methods = sorted({method for m in missing for method, _ in m})
-            pending.append({**cell, "done": sum(not m for m in missing), "n": wanted, "missing": methods})
-        if (FULL, None) not in grid:
-            return None
-        return [found[i] for i in range(wanted)], grid
-
-    def pooled_records(cells: list[tuple[list[dict], list]]) -> tuple[list[dict], list]:
-        """All cells' records and the grid rows every cell reported."""
-        grid = [row for row in cells[0][1] if all(row in cell_grid for _, cell_grid in cells)]
-        return [r for done, _ in cells for r in done], grid
-
-    pooled: dict[tuple, list] = {}
-    unreported: set[tuple] = set()  # (protocol, length) groups with a cell not reported: not pooled
-    for context in config.contexts:
-        for task in config.screened_tasks:
-            screen = [r["scores"][FULL] for r in records("screen", task, context).values()]
-            if len(screen) >= config.screen_samples and sum(screen) / len(screen) < config.min_full_score:
-                excluded.append(
-                    {
-                        "task": task,
-                        "context_tokens": context,
-                        "protocol": "question_in",
-                        "n": len(screen),
-                        "full_score": sum(screen) / len(screen),
-                        "ci95": list(wilson_interval(screen)),
-                    }
-                )
-    skipped = {(e["task"], e["context_tokens"]) for e in excluded}
-    for protocol, task, context in _cells(config):
-        if (task, context) in skipped:
-            continue
-        cell = {"protocol": protocol, "task": task, "context_tokens": context}
-        done = finished(cell, records(protocol, task, context), config.samples[context])
-        if done is None:
-            unreported.add((protocol, context))
-            continue
-        rows += needle_rows(protocol, task, context, *done)
-        pooled.setdefault((protocol, context), []).append(done)
-        seconds[f"{protocol}/{task}/{context}"] = cost(done[0])
-    for (protocol, context), cells in pooled.items():
-        if (protocol, context) not in unreported:
-            rows += needle_rows(protocol, ALL, context, *pooled_records(cells))
-    text_cells = [
-        (PERPLEXITY, n, config.text_windows[n], None, config.methods[0], None) for n in config.text_contexts
-    ]
-    sizes = {n: records(KV_BYTES, n).get(0, {}).get(KV_BYTES) for n in config.text_contexts}
-    if config.decode_caps:
-        reference = next(iter(config.capped_methods()), None)
-        text_cells.append(
-            (DECODE, config.decode_prompt_tokens, config.decode_windows, config.decode_grid(), reference,
-             config.decode_fields())
-        )  # fmt: skip
-    for protocol, context, wanted, grid, reference, fields in text_cells:
-        for name in config.corpora:
-            cell = {"protocol": protocol, "corpus": name, "context_tokens": context}
-            done = finished(cell, records(protocol, name, context, fields=fields), wanted, grid)
-            if done is None:
-                unreported.add((protocol, context))
-                continue
-            rows += text_rows(name, context, *done, reference, protocol, sizes.get(context))
-            pooled.setdefault((protocol, context), []).append(done)
-            seconds[f"{protocol}/{name}/{context}"] = cost(done[0])
-        cells = pooled.get((protocol, context))
-        if cells and (protocol, context) not in unreported:
-            rows += text_rows(ALL, context, *pooled_records(cells), reference, protocol, sizes.get(context))
-    return {"rows": rows, "pending": pending, "excluded": excluded, "seconds": seconds}
-
-
-def cost(records: list[dict]) -> dict:
-    """A cell's measured cost: samples, wall seconds and CPU seconds of this process (one thread:
-    the time on a dedicated core, whatever else ran on the machine)."""
-    return {
-        "n": len(records),
-        "wall_seconds": sum(r["seconds"] for r in records),
-        "cpu_seconds": sum(r["cpu_seconds"] for r in records),
-    }
 
 
 def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint, provenance: dict) -> dict:

@@ -59,7 +59,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from eval.__main__ import comma_list
-from eval.benchmark import TEMPLATE_TOKENS, digest
+from eval.benchmark_config import TEMPLATE_TOKENS, digest
 from eval.oracle import oracle_scorer
 from eval.realtext import continuation_nll
 from eval.report import signed_interval

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eval.benchmark import PERPLEXITY, UNIFORM, split_row
+from eval.benchmark_config import PERPLEXITY, UNIFORM, split_row
 from kvp_cache.scorers import methods
 
 ALLOCATION_STYLES = {UNIFORM: ("-", "o"), "head": ("--", "s"), "layer": (":", "^")}

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from eval.benchmark import ALL, DECODE, PERPLEXITY, UNIFORM, split_row, uniform_only
+from eval.benchmark_config import ALL, DECODE, PERPLEXITY, UNIFORM, split_row, uniform_only
 from eval.oracle import ORACLE
 from eval.stats import overlaps
 from eval.sweep import FULL

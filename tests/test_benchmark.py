@@ -18,7 +18,8 @@ from test_sweep import PROVENANCE_FIELDS, tiny_with_chat_tokenizer
 import eval.benchmark as benchmark
 from eval import realtext
 from eval.__main__ import main
-from eval.benchmark import ALL, DECODE, PERPLEXITY, Benchmark, BenchmarkConfig, benchmark_result, method_key
+from eval.benchmark import Benchmark, benchmark_result
+from eval.benchmark_config import ALL, DECODE, KV_BYTES, PERPLEXITY, BenchmarkConfig, uniform_only
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
 from eval.report import (
@@ -31,8 +32,9 @@ from eval.report import (
     report_markdown,
     update_docs,
 )
+from eval.shards import method_key
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
-from eval.sweep import FULL, MAX_NEW_TOKENS
+from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.policy import Calibration, load_policy
@@ -92,7 +94,7 @@ def shard_lines(out: Path) -> dict[str, int]:
 
 def sample_shards(out: Path) -> list[Path]:
     """The shards of samples under ``out`` (not the KV-bytes measurements)."""
-    return sorted(p for p in (out / "shards").rglob("*.jsonl") if p.parts[-2] != benchmark.KV_BYTES)
+    return sorted(p for p in (out / "shards").rglob("*.jsonl") if p.parts[-2] != KV_BYTES)
 
 
 def latest_records(out: Path) -> dict[tuple[str, int], dict]:
@@ -120,9 +122,7 @@ def work(monkeypatch) -> Counter:
     monkeypatch.setattr(benchmark, "prefill", counted("prefill", benchmark.prefill))
     monkeypatch.setattr(benchmark, "make_scorer", counted(lambda method, **_: method, benchmark.make_scorer))
     monkeypatch.setattr(benchmark, "oracle_scorer", counted(ORACLE, benchmark.oracle_scorer))
-    monkeypatch.setattr(
-        benchmark.AnswerDecoder, "full_answer", counted("full_answer", benchmark.AnswerDecoder.full_answer)
-    )
+    monkeypatch.setattr(AnswerDecoder, "full_answer", counted("full_answer", AnswerDecoder.full_answer))
     monkeypatch.setattr(realtext, "continuation_nll", counted("continuation_nll", realtext.continuation_nll))
     return counts
 
@@ -252,9 +252,7 @@ def test_adding_a_method_computes_only_that_method(tiny, tmp_path, fake_corpora,
                 assert {k: record[name][k] for k in old[name]} == old[name]  # byte-identical after JSON
         assert record["seconds"] > old["seconds"] and record["policy"] is None
     # The merged records, appended; the KV bytes of the new rows, one line.
-    assert shard_lines(tmp_path) == {
-        path: n + (1 if benchmark.KV_BYTES in path else 2) for path, n in lines.items()
-    }
+    assert shard_lines(tmp_path) == {path: n + (1 if KV_BYTES in path else 2) for path, n in lines.items()}
     # The topped-up rows are a from-scratch run's.
     work.clear()
     assert result["pending"] == [] and run(model, tokenizer, config, tmp_path)["rows"] == result["rows"]
@@ -972,7 +970,7 @@ def test_another_min_per_head_recomputes_only_the_adaptive_rows(
 def test_oracle_scores_are_comparable_across_heads():
     importance = {0: torch.tensor([[0.5, 0.1, 0.0, 0.3], [0.2, 0.0, 0.9, 0.1]])}
     oracle = OracleScorer(importance)
-    assert OracleScorer.comparable_across_heads and not benchmark.uniform_only([ORACLE, "snapkv"], ["head"])
+    assert OracleScorer.comparable_across_heads and not uniform_only([ORACLE, "snapkv"], ["head"])
     keys = torch.zeros(2, 2, 4, 8)
     scores = oracle.score(keys, keys, torch.arange(4).expand(2, -1), layer_idx=0)
     valid = torch.ones(2, 2, 4, dtype=torch.bool)
@@ -981,11 +979,11 @@ def test_oracle_scores_are_comparable_across_heads():
     assert shared.dtype == torch.float32 and shared.shape == (2, 2, 4)
     assert torch.equal(shared[0], importance[0]) and torch.equal(shared[1, :, :3], importance[0][:, :3])
     assert bool((shared[1, :, 3] == float("-inf")).all())
-    assert benchmark.uniform_only(["knorm", "snapkv", "streaming_llm"], ["uniform", "head"]) == [
+    assert uniform_only(["knorm", "snapkv", "streaming_llm"], ["uniform", "head"]) == [
         "knorm",
         "streaming_llm",
     ]
-    assert benchmark.uniform_only(["knorm"], ["uniform"]) == []
+    assert uniform_only(["knorm"], ["uniform"]) == []
 
 
 @pytest.mark.parametrize("path", ["eval/results/smollm2", "eval/results/gemma3-270m"])

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eval.benchmark import scored_once
+from eval.benchmark_caches import scored_once
 from eval.realtext import continuation_nll
 from eval.stats import bootstrap_interval
 from eval.sweep import AnswerDecoder
