@@ -268,8 +268,9 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
 
     records = score_examples(log, examples, weights, kept, scorers, config.budgets, score, "downstream")
     first = next(iter(policies.values()), None)
+    weight = next(model.parameters())
     head = {
-        "provenance": provenance(collection.model, str(next(model.parameters()).dtype), "cpu", policy=first),
+        "provenance": provenance(collection.model, str(weight.dtype), str(weight.device), policy=first),
         "policies": {name: policy_record(policy) for name, policy in policies.items()},
         "traces": str(config.traces),
         "split": config.split,
