@@ -3,6 +3,7 @@ evaluate, and resumability. Tiny random models and synthetic traces only (second
 
 from __future__ import annotations
 
+import importlib.metadata
 import itertools
 import json
 import math
@@ -180,6 +181,20 @@ def test_corpora_refuse_held_out_text():
     assert corpora.documents("native_code", seed=0, max_chars=20_000)
     with pytest.raises(ValueError, match="corpus must be one of"):
         corpora.documents("stdlib", seed=0)
+
+
+def test_docs_corpus_is_the_same_from_any_directory(tmp_path, monkeypatch):
+    """Run from the checkout root, a default metadata search also finds its ``*.egg-info``: the docs
+    corpus must not change with the working directory, and never holds our own README."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    egg = tmp_path / "kvp_cache.egg-info"
+    egg.mkdir()
+    (egg / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: kvp-cache-copy\n\n" + "our readme " * 200)
+    texts = corpora.documents("docs", seed=0)
+    own = importlib.metadata.distribution("kvp-cache").metadata.get_payload() or ""
+    assert texts and not any("our readme" in t or (own and t == own) for t in texts)
+    monkeypatch.chdir(tmp_path)
+    assert corpora.documents("docs", seed=0) == texts
 
 
 def test_dialogue_is_held_out_by_conversation():

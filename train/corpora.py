@@ -26,6 +26,7 @@ from pathlib import Path
 
 from eval.corpora import is_held_out, refuse_held_out
 
+OWN_DISTRIBUTION = "kvp-cache"
 # Files past this size are mostly generated tables or vendored bundles, not code people write.
 MAX_FILE_BYTES = 200_000
 MIN_DOCUMENT_CHARS = 500
@@ -95,9 +96,14 @@ def native_code(
 
 
 def docs(essays_dir: str | Path | None, rng: random.Random, max_chars: int | None, keep: Keep) -> list[str]:
+    # Only site-packages: a default search also finds the ``*.egg-info`` that an editable install
+    # leaves in the checkout root when run from there, so the corpus would depend on the working
+    # directory. Our own README (our results) is not training text.
     texts = []
-    for dist in sorted(importlib.metadata.distributions(), key=lambda d: d.metadata["Name"] or ""):
-        if is_held_out(dist.metadata["Name"] or ""):
+    installed = importlib.metadata.distributions(path=[str(site_packages())])
+    for dist in sorted(installed, key=lambda d: d.metadata["Name"] or ""):
+        name = dist.metadata["Name"] or ""
+        if is_held_out(name) or name == OWN_DISTRIBUTION:
             continue
         text = dist.metadata.get_payload() or dist.metadata.get("Description") or ""
         if len(text) >= MIN_DOCUMENT_CHARS:
