@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/bench_decode.py [--prompt-tokens 1024] [--generate-tokens 4096]
         [--speed-methods kvp] [--speed-cap 1024] [--continuation-tokens 2048] [--caps 256 512 1024]
-        [--methods kvp knorm ...] [--evict-every 64] [--chunk 16] [--threads 1] [--json out.json]
+        [--methods kvp knorm ...] [--evict-every 64] [--chunk 16] [--policy NAME_OR_DIR] [--threads 1]
+        [--json out.json]
 
 SmolLM2-135M-Instruct on CPU, float32. Two measurements on one long text: the start of the King
 James Bible (the benchmark's ``kjv`` corpus, public domain, from the ``eval`` extra), or with
@@ -15,7 +16,8 @@ James Bible (the benchmark's ``kjv`` corpus, public domain, from the ``eval`` ex
    tokens/s (time spent in the forwards only), the peak of the cache's bytes (keys, values and
    per-slot metadata, read after every forward) and whether it stays flat once the cap is
    reached (the peak over the last quarter of the generation over the peak over the second
-   quarter; 1.00 = flat).
+   quarter; 1.00 = flat), and the time the scorer spent ranking the tokens that entered while
+   decoding, as a share of the decode time and per decoded token.
 2. Quality. The essay's next ``--continuation-tokens`` tokens after the prompt are teacher-forced
    through a capped cache, for every ``--methods`` at every ``--caps``, and the mean negative
    log-likelihood of the true tokens is reported next to the full cache's. The continuation is fed
@@ -24,7 +26,7 @@ James Bible (the benchmark's ``kjv`` corpus, public domain, from the ``eval`` ex
    cache is trimmed at the end of a chunk, as after a decoding step. The prefill's own eviction
    happens at the end of the prompt, so the first continuation token is scored exactly.
 
-``kvp`` uses the shipped ``smollm2-135m-instruct`` policy, trained on prefill traces only. The JSON
+``kvp`` uses ``--policy`` (default: the shipped ``smollm2-135m-instruct``). The JSON
 output (``--json``) starts with ``kvp_cache.provenance.provenance(...)``. One thread by default:
 the development machine's two cores are shared, and two OpenMP threads spin against each other.
 """
@@ -37,6 +39,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,33 +71,63 @@ def text_ids(tokenizer, essays: Path | None, needed: int) -> tuple[torch.Tensor,
     return ids[:, :needed], path.name
 
 
-def prefilled_cache(model, prefilled: Prefill, method: str, cap: int, evict_every: int) -> KVPCache:
+def prefilled_cache(
+    model, prefilled: Prefill, method: str, cap: int, evict_every: int, policy_name: str
+) -> KVPCache:
     """The prompt's cache under ``method`` capped at ``cap`` (the prompt counts as the first prefill)."""
-    policy = {"policy": POLICY} if method == "kvp" else {}
+    policy = {"policy": policy_name} if method == "kvp" else {}
     return KVPCache.from_prefill(
         prefilled, model, method=method, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **policy
     )
 
 
-def make_cache(model, method: str, cap: int | None, evict_every: int):
+def make_cache(model, method: str, cap: int | None, evict_every: int, policy_name: str):
     if method == FULL:
         return DynamicCache(config=model.config)
-    policy = {"policy": POLICY} if method == "kvp" else {}
+    policy = {"policy": policy_name} if method == "kvp" else {}
     return KVPCache(model, method=method, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **policy)
+
+
+@contextmanager
+def timed_scoring(cache):
+    """Times every ``score`` call of the cache's scorer (none for ``DynamicCache``): yields a dict
+    whose ``seconds`` and ``entries`` (entries scored) grow while the block runs."""
+    totals = {"seconds": 0.0, "entries": 0}
+    scorer = cache.settings.scorer if isinstance(cache, KVPCache) else None
+    if scorer is None:
+        yield totals
+        return
+    score = scorer.score
+
+    def timed(keys, *args, **kwargs):
+        start = time.perf_counter()
+        out = score(keys, *args, **kwargs)
+        totals["seconds"] += time.perf_counter() - start
+        totals["entries"] += keys.shape[0] * keys.shape[-2]  # rows x tokens
+        return out
+
+    scorer.score = timed
+    try:
+        yield totals
+    finally:
+        del scorer.score  # the class's method again
 
 
 @torch.no_grad()
 def decode_run(model, cache, prompt: torch.Tensor, tokens: int, label: str) -> dict:
-    """Prefill, then ``tokens`` greedy single-token forwards; tokens/s and the KV bytes after each."""
+    """Prefill, then ``tokens`` greedy single-token forwards; tokens/s, the KV bytes after each, and
+    the time the scorer took inside those forwards (each decoded token is scored once, when an
+    eviction first needs it) as a share of the decode time."""
     kwargs = {cache_kwarg(model): cache}
     token = model(prompt, logits_to_keep=1, **kwargs).logits[:, -1:].argmax(-1)
     held, seconds = [], 0.0
-    for _ in tqdm(range(tokens), desc=label, unit="tok", leave=False):
-        start = time.perf_counter()
-        logits = model(token, **kwargs).logits
-        seconds += time.perf_counter() - start
-        token = logits[:, -1:].argmax(-1)
-        held.append(cache_bytes(cache))
+    with timed_scoring(cache) as scoring:
+        for _ in tqdm(range(tokens), desc=label, unit="tok", leave=False):
+            start = time.perf_counter()
+            logits = model(token, **kwargs).logits
+            seconds += time.perf_counter() - start
+            token = logits[:, -1:].argmax(-1)
+            held.append(cache_bytes(cache))
     quarter = tokens // 4
     return {
         "tokens_per_s": tokens / seconds,
@@ -102,14 +135,17 @@ def decode_run(model, cache, prompt: torch.Tensor, tokens: int, label: str) -> d
         "final_kv_bytes": held[-1],
         "flatness": max(held[3 * quarter :]) / max(held[quarter : 2 * quarter]),
         "kv_bytes_every_256": held[255::256],
+        "scoring_share": scoring["seconds"] / seconds,
+        "scoring_ms_per_token": 1000 * scoring["seconds"] / tokens,
+        "scored_entries": scoring["entries"],
     }
 
 
 def speed_table(speed: dict, cap: int, evict_every: int) -> str:
     full = speed[FULL]
     lines = [
-        "| cache | tokens/s | vs full | peak KV MiB | vs full | flat (last/2nd quarter) |",
-        "|---|---|---|---|---|---|",
+        "| cache | tokens/s | vs full | peak KV MiB | vs full | flat (last/2nd quarter) | scoring share of decode |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, r in speed.items():
         label = (
@@ -117,7 +153,13 @@ def speed_table(speed: dict, cap: int, evict_every: int) -> str:
         )
         lines.append(
             f"| {label} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / full['tokens_per_s']:.2f}x | "
-            f"{r['peak_kv_bytes'] / 2**20:.1f} | {r['peak_kv_bytes'] / full['peak_kv_bytes']:.3f} | {r['flatness']:.2f} |"
+            f"{r['peak_kv_bytes'] / 2**20:.1f} | {r['peak_kv_bytes'] / full['peak_kv_bytes']:.3f} | {r['flatness']:.2f} | "
+            + (
+                ""
+                if name == FULL
+                else f"{100 * r['scoring_share']:.2f}% ({r['scoring_ms_per_token']:.2f} ms/token)"
+            )
+            + " |"
         )
     return "\n".join(lines)
 
@@ -152,6 +194,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=capped, choices=capped)
     parser.add_argument("--evict-every", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=16, help="teacher-forcing chunk, <= --evict-every")
+    parser.add_argument("--policy", default=POLICY, help="method kvp's policy (shipped name or directory)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--essays", type=Path, help="Paul Graham essays *.txt (default: the kjv corpus)")
     parser.add_argument("--json", type=Path)
@@ -168,7 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--chunk must be <= --evict-every ({args.evict_every}), got {args.chunk}")
     if args.essays is not None and not args.essays.is_dir():
         parser.error(f"--essays {args.essays} is not a directory of .txt essays")
-    if POLICY not in shipped_policies():
+    if args.policy == POLICY and POLICY not in shipped_policies():
         parser.error(f"method kvp needs the shipped policy {POLICY!r}; shipped: {shipped_policies()}")
     return args
 
@@ -181,14 +224,14 @@ def main(argv=None) -> None:
     ids, essay = text_ids(tokenizer, args.essays, needed)
     prompt = ids[:, : args.prompt_tokens]
     record = {
-        "provenance": provenance(MODELS["smollm2"].model_id, model.dtype, "cpu", policy=POLICY),
+        "provenance": provenance(MODELS["smollm2"].model_id, model.dtype, "cpu", policy=args.policy),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "essay": essay,
     }
     if args.generate_tokens:
         speed = {}
         for method in [FULL, *args.speed_methods]:
-            cache = make_cache(model, method, args.speed_cap, args.evict_every)
+            cache = make_cache(model, method, args.speed_cap, args.evict_every, args.policy)
             speed[method] = decode_run(model, cache, prompt, args.generate_tokens, f"decode {method}")
             del cache
         record["speed"] = speed
@@ -204,7 +247,7 @@ def main(argv=None) -> None:
             cache = (
                 copy.deepcopy(prefilled.cache)
                 if method == FULL
-                else prefilled_cache(model, prefilled, method, cap, args.evict_every)
+                else prefilled_cache(model, prefilled, method, cap, args.evict_every, args.policy)
             )
             continuation = ids[:, args.prompt_tokens :]
             value = float(continuation_nll(model, prefilled, cache, continuation, chunk_tokens=args.chunk))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = sorted((Path(__file__).resolve().parent.parent / "bench").glob("bench_*.py"))
 
@@ -18,3 +19,28 @@ def test_bench_script_imports_and_parses_its_arguments(script, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout
+
+
+def test_bench_decode_times_the_scoring_of_decoded_tokens(llama):
+    """The scoring share counts the scorer's calls while decoding, every decoded token once, and
+    puts the scorer's own method back afterwards."""
+    import importlib.util
+
+    from kvp_cache import KVPCache, KVPolicy
+    from kvp_cache.targets import eviction_points
+
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH[0].parent / "bench_decode.py")
+    bench_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_decode)
+    policy = KVPolicy.for_model(llama, hidden_dim=16, pos_dim=8, max_positions=64)
+    cache = KVPCache(llama, policy=policy, budget=1.0, max_cache_tokens=32, evict_every=8)
+    prompt = torch.randint(0, llama.config.vocab_size, (1, 24))
+    run = bench_decode.decode_run(llama, cache, prompt, 40, "test")
+    # The prompt is scored in its own forward, before timing starts. A decoded token is scored
+    # once, by the first eviction after it entered: those up to the last eviction, in every layer.
+    last = eviction_points([24] + [1] * 40, 32, 8)[-1]
+    assert 0 < run["scoring_share"] < 1 and run["scoring_ms_per_token"] > 0
+    assert run["scored_entries"] == (last - 24) * llama.config.num_hidden_layers
+    assert "score" not in vars(cache.settings.scorer)
+    full = bench_decode.decode_run(llama, bench_decode.make_cache(llama, "full", None, 8, ""), prompt, 8, "t")
+    assert full["scoring_share"] == 0 and full["scored_entries"] == 0
