@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "benchmark",
         help="the canonical report: needles (both protocols), held-out real text compressed and read under "
-        "a cap, CIs, resumable",
+        "a cap, needles recalled after a read under a cap, CIs, resumable",
     )
     add_common(bench)
     bench.set_defaults(policy=SHIPPED)
@@ -150,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--decode-chunk-tokens", type=int, default=None,
                        help="decode protocol: tokens per forward after the prompt (default 16)")  # fmt: skip
+    bench.add_argument("--recall-caps", type=comma_list(parse_budget), default=None,
+                       help="decode_recall protocol (a needle, filler read under the cap, then the question): "
+                       "max_cache_tokens, token counts or shares of context + filler (default: 0.25); "
+                       "empty string for no decode_recall protocol")  # fmt: skip
+    bench.add_argument("--recall-tasks", type=comma_list(str), default=None,
+                       help="decode_recall needle tasks (default: niah_single,niah_multikey)")  # fmt: skip
+    bench.add_argument("--recall-samples", type=int, default=None,
+                       help="decode_recall samples per task (default 50)")  # fmt: skip
+    bench.add_argument("--recall-context-tokens", type=int, default=None,
+                       help="decode_recall needle context, question left out (default 1024)")  # fmt: skip
+    bench.add_argument("--recall-filler-tokens", type=int, default=None,
+                       help="decode_recall: held-out prose read under the cap before the question, in "
+                       "chunks of --decode-chunk-tokens (default 1024)")  # fmt: skip
     bench.add_argument(
         "--evict-every", type=int, default=None, help="the capped caches' evict_every (default 64)"
     )

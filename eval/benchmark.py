@@ -1,6 +1,6 @@
 """``python -m eval benchmark``: the canonical report, ``eval/results/<model>/benchmark.json``.
 
-Four protocols, every method at every budget (cap), plus the full cache and the oracle (:mod:`eval.oracle`):
+Five protocols, every method at every budget (cap), plus the full cache and the oracle (:mod:`eval.oracle`):
 
 - ``question_in``: a RULER-style needle prompt is compressed whole, question included (the paper's);
 - ``question_after``: the context is compressed, then the question is asked on the compressed cache;
@@ -11,6 +11,10 @@ Four protocols, every method at every budget (cap), plus the full cache and the 
   ``decode_chunk_tokens``, the cache evicting between chunks as while decoding; the NLL of the
   read tokens is scored. Methods that cannot rank decoded tokens (``scores_decoded_tokens``) sit
   it out; its oracle is :class:`eval.oracle.CappedOracleScorer`.
+- ``decode_recall`` (:mod:`eval.recall`): a needle context (question left out), then
+  ``recall_filler_tokens`` of held-out prose read through a cache capped at each of ``recall_caps``
+  as in ``decode``, then the question, answered greedily on that cache; needle accuracy, against
+  the uncapped cache's. The methods of ``decode`` run, without an oracle.
 
 Needle samples come from the ``test`` split of :mod:`kvp_cache.ruler`, so none of them, nor their
 needles, depths or haystack windows, was seen in training. Besides the ``niah_*`` tasks, every other
@@ -21,9 +25,10 @@ Allocations (``allocations``): every method whose scores are comparable across h
 (``Scorer.comparable_across_heads``, the oracle's too) gets a row per allocation, named
 ``<method>+<allocation>`` (``kvp+head``) beside its uniform row ``<method>``; the other methods get
 their uniform row only; every KV head of an adaptive row keeps at least ``min_per_head`` entries.
-The ``decode`` protocol stays uniform. Real-text rows carry the KV bytes of their cache and its share
-of the full cache's (measured once per prefix length, :meth:`Benchmark.measure_kv_bytes`), and each
-adaptive row its paired NLL gain over the uniform row of its method.
+The capped protocols (``decode``, ``decode_recall``) stay uniform. Real-text rows carry the KV bytes
+of their cache and its share of the full cache's (measured once per prefix length,
+:meth:`Benchmark.measure_kv_bytes`), and each adaptive row its paired NLL gain over the uniform row
+of its method.
 
 Every sample is prefilled ONCE; every (method, budget) is compressed from that prefill
 (``KVPCache.from_prefill``) and all uniform methods of one budget decode together as one batch
@@ -45,7 +50,6 @@ import copy
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,7 +70,8 @@ from eval.benchmark_config import (
 from eval.benchmark_rows import collect_rows
 from eval.corpora import corpus
 from eval.oracle import ORACLE, capped_oracle_scorer, future_states, oracle_scorer
-from eval.shards import Shard, method_key, missing_rows, shard, topped_up
+from eval.recall import recall_cell
+from eval.shards import Cell, Shard, method_key, missing_rows, shard, topped_up
 from eval.sweep import FULL, MAX_NEW_TOKENS, encode_prompt
 from kvp_cache import KVPCache, ruler
 from kvp_cache.allocation import MODES
@@ -76,23 +81,6 @@ from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
 from kvp_cache.scorers import Scorer, make_scorer, methods
 from kvp_cache.targets import eviction_points
-
-
-@dataclass
-class Cell:
-    """One (protocol, task or corpus, length) cell: its shard, sample count, ``compute(index, rows)``
-    -> the answers of ``rows`` (``(method, budget)`` pairs of ``grid``, the cell's rows) for one
-    sample, with the sample's other fields (without index and timings), and the latest record of
-    each sample."""
-
-    shard: Shard
-    count: int
-    compute: Callable[[int, list[tuple[str, Budget | None]]], dict]
-    grid: list[tuple[str, Budget | None]]
-    records: dict[int, dict] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.records = self.shard.records()
 
 
 class Benchmark:
@@ -169,6 +157,8 @@ class Benchmark:
             cells += [self.text_cell(name, context) for name in self.config.corpora]
         if self.config.decode_caps:
             cells += [self.decode_cell(name) for name in self.config.corpora]
+        if self.config.recall_caps:
+            cells += [recall_cell(self, task) for task in self.config.recall_tasks]
         for cell in cells:
             cell.shard.upgrade()
         work = [
@@ -332,28 +322,37 @@ class Benchmark:
             answers = {FULL: nll(copy.deepcopy(prefilled.cache))} if (FULL, None) in rows else {}
             capped = [(method, cap) for method, cap in rows if method != FULL]
             for method, cap in tqdm(capped, desc=f"decode {name} window {index}", unit="cache", leave=False):
-                options = self.decoder.cache_options(method, 1.0)
                 tokens = config.cap_tokens(cap)
-                if method == ORACLE:
-                    states = states or future_states(self.model, prefilled, ids(continuation[:, :-1]))
-                    oracle = capped_oracle_scorer(
-                        states,
-                        eviction_points(forwards, tokens, config.evict_every),
-                        config.sink_tokens,
-                        config.window_tokens,
-                        config.oracle_horizon,
-                    )
-                    options.update(method=oracle, track_positions=True)
-                cache = KVPCache.from_prefill(
-                    prefilled, self.model, **options, max_cache_tokens=tokens, evict_every=config.evict_every
+                if method != ORACLE:
+                    answers[method_key(method, cap)] = nll(self.capped_cache(prefilled, method, tokens))
+                    continue
+                states = states or future_states(self.model, prefilled, ids(continuation[:, :-1]))
+                oracle = capped_oracle_scorer(
+                    states,
+                    eviction_points(forwards, tokens, config.evict_every),
+                    config.sink_tokens,
+                    config.window_tokens,
+                    config.oracle_horizon,
                 )
-                if method == ORACLE:
-                    oracle.bind(cache)
+                cache = self.capped_cache(prefilled, oracle, tokens, track_positions=True)
+                oracle.bind(cache)
                 answers[method_key(method, cap)] = nll(cache)
             return {**fields, "nll": answers}
 
         return Cell(self.shard(DECODE, name, prompt_tokens, fields=fields), config.decode_windows, compute,
                     config.decode_grid())  # fmt: skip
+
+    def capped_cache(self, prefilled, method: str | Scorer, tokens: int, **options) -> KVPCache:
+        """A cache of the prefill under ``max_cache_tokens=tokens`` (budget 1.0: only the cap evicts),
+        evicting ``evict_every`` tokens past it; ``options``: more ``KVPCache`` options."""
+        return KVPCache.from_prefill(
+            prefilled,
+            self.model,
+            **self.decoder.cache_options(method, 1.0),
+            **options,
+            max_cache_tokens=tokens,
+            evict_every=self.config.evict_every,
+        )
 
     def answers(
         self,

@@ -26,6 +26,10 @@ SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
 NEEDLE_PROTOCOLS = ("question_in", "question_after")
 PERPLEXITY = "perplexity"
 DECODE = "decode"
+DECODE_RECALL = "decode_recall"
+RECALL_TASKS = ("niah_single", "niah_multikey")
+RECALL_CORPUS = "kjv"
+"""The held-out prose the ``decode_recall`` protocol reads between a needle and its question."""
 TEMPLATE_TOKENS = 64
 """Room left in ``context_tokens`` for the chat template and answer prefix around a sample."""
 ALL = "all"
@@ -74,6 +78,11 @@ class BenchmarkConfig:
     (:data:`kvp_cache.allocation.MODES`); a non-uniform one adds a row ``<method>+<allocation>`` for
     every method that can rank it (:func:`comparable_across_heads`), at the same total entries.
     The needle and real-text protocols only: ``decode`` rows are uniform.
+    recall_caps: the ``decode_recall`` protocol's ``max_cache_tokens`` (:mod:`eval.recall`), ints or shares of
+    ``recall_context_tokens + recall_filler_tokens`` as for ``decode_caps``; empty: no ``decode_recall``.
+    recall_tasks, recall_samples: its needle tasks (among :data:`NEEDLE_TASKS`) and samples per task;
+    recall_context_tokens: its needle context (question left out); recall_filler_tokens: the held-out
+    text read under the cap before the question, in chunks of ``decode_chunk_tokens``.
     min_per_head: the entries every KV head of an adaptive row keeps at least (``KVPCache``'s
     ``min_per_head``, protected ones included); None: the cache's default, the protected entries plus
     :data:`kvp_cache.allocation.MIN_EXTRA_PER_HEAD`. Records name it with their adaptive answers, which
@@ -103,6 +112,11 @@ class BenchmarkConfig:
     decode_chunk_tokens: int = 16
     evict_every: int = 64
     oracle_horizon: int | None = None
+    recall_caps: list[Budget] = field(default_factory=lambda: [0.25])
+    recall_tasks: list[str] = field(default_factory=lambda: list(RECALL_TASKS))
+    recall_samples: int = 50
+    recall_context_tokens: int = 1024
+    recall_filler_tokens: int = 1024
     oracle: bool = True
     essays_dir: str | None = None
     seed: int = 0
@@ -151,9 +165,9 @@ class BenchmarkConfig:
         if self.continuation_tokens < 1:
             raise ValueError(f"continuation_tokens must be >= 1, got {self.continuation_tokens}")
         self.validate_decode()
+        self.validate_recall()
 
     def validate_decode(self) -> None:
-        self.decode_caps = [validate_budget(cap) for cap in self.decode_caps]
         for name, minimum in (
             ("decode_prompt_tokens", 1),
             ("decode_tokens", 2),
@@ -161,20 +175,42 @@ class BenchmarkConfig:
             ("decode_chunk_tokens", 1),
             ("evict_every", 1),
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+            validate_count(name, getattr(self, name), minimum)
         if self.oracle_horizon is not None and self.oracle_horizon < 1:
             raise ValueError(
                 f"oracle_horizon must be None (until the next eviction) or >= 1, got {self.oracle_horizon}"
             )
+        self.decode_caps = self.validated_caps(DECODE)
+
+    def validate_recall(self) -> None:
+        unknown = sorted(set(self.recall_tasks) - set(NEEDLE_TASKS))
+        if unknown:
+            raise ValueError(f"recall_tasks must be among {', '.join(NEEDLE_TASKS)}; got {unknown}")
+        if self.recall_caps and not self.recall_tasks:
+            raise ValueError(
+                "recall_tasks is empty; give needle tasks, or recall_caps=[] for no decode_recall"
+            )
+        for name, minimum in (
+            ("recall_samples", 1),
+            ("recall_context_tokens", 64),
+            ("recall_filler_tokens", 1),
+        ):
+            validate_count(name, getattr(self, name), minimum)
+        self.recall_caps = self.validated_caps(DECODE_RECALL)
+
+    def validated_caps(self, protocol: str) -> list[Budget]:
+        """The caps of ``protocol`` (``decode`` or ``decode_recall``) validated: each keeps at least the
+        sinks and the window."""
+        name = "recall_caps" if protocol == DECODE_RECALL else "decode_caps"
+        caps = [validate_budget(cap) for cap in getattr(self, name)]
         protected = self.sink_tokens + self.window_tokens
-        small = [cap for cap in self.decode_caps if self.cap_tokens(cap) < protected]
+        small = [cap for cap in caps if self.cap_tokens(cap, protocol) < protected]
         if small:
             raise ValueError(
-                f"decode_caps {small} keep fewer than sink_tokens + window_tokens = {protected} tokens "
-                f"(shares are of {self.decode_prompt_tokens + self.decode_tokens} tokens)"
+                f"{name} {small} keep fewer than sink_tokens + window_tokens = {protected} tokens "
+                f"(shares are of {self.capped_length(protocol)} tokens)"
             )
+        return caps
 
     def row_methods(self) -> list[str]:
         """The compressed rows of every cell (:func:`row_name`), the oracle's last: each method
@@ -199,9 +235,20 @@ class BenchmarkConfig:
         capped = self.capped_methods() + ([ORACLE] if self.oracle else [])
         return [(FULL, None)] + [(m, cap) for m in capped for cap in self.decode_caps]
 
-    def cap_tokens(self, cap: Budget) -> int:
-        """``max_cache_tokens`` of a cap: a token count, or a share of the ``decode`` window."""
-        return cap if isinstance(cap, int) else round(cap * (self.decode_prompt_tokens + self.decode_tokens))
+    def recall_grid(self) -> list[tuple[str, Budget | None]]:
+        """Every row of a ``decode_recall`` cell: the uncapped cache, then each (method, cap); no oracle
+        (:mod:`eval.recall` says why)."""
+        return [(FULL, None)] + [(m, cap) for m in self.capped_methods() for cap in self.recall_caps]
+
+    def capped_length(self, protocol: str = DECODE) -> int:
+        """The tokens a capped cache of ``protocol`` reads before its answer: prompt and text read."""
+        if protocol == DECODE_RECALL:
+            return self.recall_context_tokens + self.recall_filler_tokens
+        return self.decode_prompt_tokens + self.decode_tokens
+
+    def cap_tokens(self, cap: Budget, protocol: str = DECODE) -> int:
+        """``max_cache_tokens`` of a cap: a token count, or a share of :meth:`capped_length`."""
+        return cap if isinstance(cap, int) else round(cap * self.capped_length(protocol))
 
     def decode_fields(self) -> dict:
         """What every ``decode`` record depends on besides the fingerprint and its cell (records
@@ -212,6 +259,17 @@ class BenchmarkConfig:
             "chunk_tokens": self.decode_chunk_tokens,
             "evict_every": self.evict_every,
             "oracle_horizon": self.oracle_horizon,
+        }
+
+    def recall_fields(self) -> dict:
+        """What every ``decode_recall`` record depends on besides the fingerprint and its cell (task,
+        context), like :meth:`decode_fields`."""
+        return {
+            "windows": realtext.WINDOWS,
+            "filler_corpus": RECALL_CORPUS,
+            "filler_tokens": self.recall_filler_tokens,
+            "chunk_tokens": self.decode_chunk_tokens,
+            "evict_every": self.evict_every,
         }
 
     def fingerprint(self, policy_sha256: str | None, calibration_sha256: str | None = None) -> Fingerprint:

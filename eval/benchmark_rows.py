@@ -1,6 +1,7 @@
 """The rows of ``benchmark.json``, read from the shards (:mod:`eval.shards`): one flat row per cell,
 method and budget (:func:`cell_row`) with its mean and 95% interval, for needles (:func:`needle_rows`)
-and real text (:func:`text_rows`), rows pooled over the tasks (corpora) of each protocol and length,
+and real text (:func:`text_rows`), rows pooled over the tasks (corpora) of each protocol and length
+(``decode_recall`` rows also hold their share of the uncapped cache's accuracy, :func:`with_share_of_full`),
 the pending cells and the excluded tasks (:func:`collect_rows`).
 """
 
@@ -9,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from eval.benchmark_config import ALL, DECODE, KV_BYTES, PERPLEXITY, BenchmarkConfig, Fingerprint, split_row
+from eval.benchmark_config import (
+    ALL,
+    DECODE,
+    DECODE_RECALL,
+    KV_BYTES,
+    PERPLEXITY,
+    BenchmarkConfig,
+    Fingerprint,
+    split_row,
+)
 from eval.corpora import corpus
 from eval.shards import method_key, missing_rows, shard
 from eval.stats import bootstrap_interval, wilson_interval
@@ -33,9 +43,10 @@ def cell_row(where: dict, method: str, budget: float, metric: str, values: list[
 def needle_rows(
     protocol: str, task: str, context: int, records: list[dict], grid: list[tuple[str, Budget | None]]
 ) -> list[dict]:
-    """Rows of one needle cell: the full cache, then every method x budget of ``grid`` (accuracy, Wilson CI)."""
+    """Rows of one needle cell: the full cache, then every method x budget of ``grid`` (accuracy, Wilson
+    CI); ``decode_recall`` rows also hold their share of the uncapped cache's accuracy."""
     where = {"protocol": protocol, "task": task, "context_tokens": context}
-    return [
+    rows = [
         cell_row(
             where,
             method,
@@ -46,6 +57,7 @@ def needle_rows(
         )
         for method, budget in grid
     ]
+    return with_share_of_full(rows) if protocol == DECODE_RECALL else rows
 
 
 def text_rows(
@@ -105,10 +117,23 @@ def text_rows(
 
 
 def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
+    """``(protocol, task, context, samples, grid, fields)`` of every needle cell: the needle protocols'
+    (grid None: ``config.grid()``), then ``decode_recall``'s."""
     for context in config.contexts:
         for protocol in config.protocols:
             for task in config.tasks + config.screened_tasks:
-                yield protocol, task, context
+                yield protocol, task, context, config.samples[context], None, None
+    if config.recall_caps:
+        for task in config.recall_tasks:
+            yield (DECODE_RECALL, task, config.recall_context_tokens, config.recall_samples,
+                   config.recall_grid(), config.recall_fields())  # fmt: skip
+
+
+def with_share_of_full(rows: list[dict]) -> list[dict]:
+    """``rows`` (one ``decode_recall`` cell's, the full cache's first) with ``of_full``: each row's
+    accuracy over the uncapped cache's (None when that is 0)."""
+    full = rows[0]["score"]
+    return [{**row, "of_full": row["score"] / full if full else None} for row in rows]
 
 
 def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -> dict:
@@ -161,11 +186,11 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
                     }
                 )
     skipped = {(e["task"], e["context_tokens"]) for e in excluded}
-    for protocol, task, context in _cells(config):
-        if (task, context) in skipped:
+    for protocol, task, context, wanted, grid, fields in _cells(config):
+        if (task, context) in skipped and protocol != DECODE_RECALL:
             continue
         cell = {"protocol": protocol, "task": task, "context_tokens": context}
-        done = finished(cell, records(protocol, task, context), config.samples[context])
+        done = finished(cell, records(protocol, task, context, fields=fields), wanted, grid)
         if done is None:
             unreported.add((protocol, context))
             continue

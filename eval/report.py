@@ -15,7 +15,16 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from eval.benchmark_config import ALL, DECODE, PERPLEXITY, UNIFORM, split_row, uniform_only
+from eval.benchmark_config import (
+    ALL,
+    DECODE,
+    DECODE_RECALL,
+    PERPLEXITY,
+    RECALL_CORPUS,
+    UNIFORM,
+    split_row,
+    uniform_only,
+)
 from eval.oracle import ORACLE
 from eval.stats import overlaps
 from eval.sweep import FULL
@@ -34,7 +43,10 @@ PROTOCOL_TITLES = {
     "question_after": "question asked after compression",
     PERPLEXITY: "real text: NLL increase per token over the full cache (lower is better)",
     DECODE: "decoding under a cap: NLL increase per token over the uncapped cache (lower is better)",
+    DECODE_RECALL: "recall under a cap: needle accuracy, then its share of the uncapped cache's",
 }
+CAPPED = (DECODE, DECODE_RECALL)
+"""The protocols whose columns are caps (``max_cache_tokens``), not budgets."""
 HEADLINE_BUDGETS = (0.1, 0.25)
 ADAPTIVE_HEADLINE_BUDGETS = (0.05, 0.1, 0.25)
 """The headline's budgets when the benchmark has adaptive rows, whose targets start at 5%."""
@@ -52,7 +64,9 @@ def cell_text(row: dict | None) -> str:
     if row["metric"] == "nll_increase" and row["method"] == FULL:
         return f"NLL {row['nll']:.3f}"
     if row["metric"] == "accuracy":
-        return f"{100 * row['score']:.1f} ({100 * low:.0f}-{100 * high:.0f})"
+        text = f"{100 * row['score']:.1f} ({100 * low:.0f}-{100 * high:.0f})"
+        share = row.get("of_full") if row["method"] != FULL else None
+        return text if share is None else f"{text}, {share:.0%} of full"
     return signed_interval(row["score"], row["ci95"])
 
 
@@ -126,17 +140,23 @@ def budget_columns(budgets: list) -> list[tuple[str, Callable[[dict], bool]]]:
     return [(f"budget {b}", lambda r, b=b: r["budget"] in (b, None)) for b in budgets]
 
 
-def cap_label(config: dict, cap: float | int) -> str:
-    """``cap 256``, or for a share of the ``decode`` window ``cap 10% (307)``."""
+def cap_label(config: dict, cap: float | int, protocol: str = DECODE) -> str:
+    """``cap 256``, or for a share of the tokens read (``decode``: its window) ``cap 10% (307)``."""
     if isinstance(cap, int):
         return f"cap {cap}"
-    return f"cap {cap:.0%} ({round(cap * (config['decode_prompt_tokens'] + config['decode_tokens']))})"
+    if protocol == DECODE_RECALL:
+        read = config["recall_context_tokens"] + config["recall_filler_tokens"]
+    else:
+        read = config["decode_prompt_tokens"] + config["decode_tokens"]
+    return f"cap {cap:.0%} ({round(cap * read)})"
 
 
 def protocol_lengths(config: dict, protocol: str) -> list[int]:
     """The lengths a protocol's cells are named by (``decode``: its prompt; absent before it existed)."""
     if protocol == DECODE:
         return [config["decode_prompt_tokens"]] if config.get("decode_caps") else []
+    if protocol == DECODE_RECALL:
+        return [config["recall_context_tokens"]] if config.get("recall_caps") else []
     return config["text_contexts"] if protocol == PERPLEXITY else config["contexts"]
 
 
@@ -146,6 +166,12 @@ def length_text(config: dict, protocol: str, length: int) -> str:
             f"{kilo(length)} prompt + {kilo(config['decode_tokens'])} tokens read in chunks of "
             f"{config['decode_chunk_tokens']} (evict_every {config['evict_every']})"
         )
+    if protocol == DECODE_RECALL:
+        return (
+            f"{kilo(length)} needle context + {kilo(config['recall_filler_tokens'])} tokens of "
+            f"{RECALL_CORPUS} read in chunks of {config['decode_chunk_tokens']} "
+            f"(evict_every {config['evict_every']}), then the question"
+        )
     return f"{kilo(length)} tokens"
 
 
@@ -153,12 +179,12 @@ def section_tables(result: dict, pooled_only: bool) -> list[str]:
     """Markdown for every (protocol, length) cell group; per-task tables too unless ``pooled_only``."""
     rows, config = result["rows"], result["config"]
     lines = []
-    for protocol in [*config["protocols"], PERPLEXITY, DECODE]:
-        subject = "task" if protocol in config["protocols"] else "corpus"
-        if protocol == DECODE:
+    for protocol in [*config["protocols"], DECODE_RECALL, PERPLEXITY, DECODE]:
+        subject = "task" if protocol in [*config["protocols"], DECODE_RECALL] else "corpus"
+        if protocol in CAPPED:
+            caps = config.get("decode_caps" if protocol == DECODE else "recall_caps", [])
             columns = [
-                (cap_label(config, c), lambda r, c=c: r["budget"] in (c, None))
-                for c in config.get("decode_caps", [])
+                (cap_label(config, c, protocol), lambda r, c=c: r["budget"] in (c, None)) for c in caps
             ]
         else:
             columns = budget_columns(config["budgets"])
@@ -420,7 +446,7 @@ def remaining_cpu_hours(result: dict) -> float | None:
     the same kind (needles, text or decoding under a cap) and length; None when some unfinished cell has no such price."""
 
     def kind(protocol: str) -> str:
-        return protocol if protocol in (PERPLEXITY, DECODE) else "needles"
+        return protocol if protocol in (PERPLEXITY, *CAPPED) else "needles"
 
     price: dict[tuple, list[float]] = {}
     unfinished = {cell_name(c) for c in result["pending"]}

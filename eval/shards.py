@@ -4,12 +4,15 @@ per sample holding one answer per (method, budget) (:func:`method_key`).
 A record names the policy of its learned answers, the calibration of its learned adaptive ones and the
 minimum per head of its adaptive ones, so another method list, budget, policy, calibration or minimum
 tops records up (:func:`missing_rows`, :func:`topped_up`) instead of recomputing them; records of
-another :class:`~eval.benchmark_config.Fingerprint` are never read.
+another :class:`~eval.benchmark_config.Fingerprint` are never read. A :class:`Cell` pairs a shard with
+the computation of its samples.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval import realtext
@@ -160,3 +163,20 @@ class Shard:
             handle.write(
                 ("\n" if torn else "") + json.dumps({**record, "fingerprint": self.fingerprint.config}) + "\n"
             )
+
+
+@dataclass
+class Cell:
+    """One (protocol, task or corpus, length) cell: its shard, sample count, ``compute(index, rows)``
+    -> the answers of ``rows`` (``(method, budget)`` pairs of ``grid``, the cell's rows) for one
+    sample, with the sample's other fields (without index and timings), and the latest record of
+    each sample."""
+
+    shard: Shard
+    count: int
+    compute: Callable[[int, list[tuple[str, Budget | None]]], dict]
+    grid: list[tuple[str, Budget | None]]
+    records: dict[int, dict] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.records = self.shard.records()

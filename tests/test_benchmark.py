@@ -16,10 +16,18 @@ from test_policy import tiny_policy
 from test_sweep import PROVENANCE_FIELDS, tiny_with_chat_tokenizer
 
 import eval.benchmark as benchmark
-from eval import realtext
+from eval import realtext, recall
 from eval.__main__ import main
 from eval.benchmark import Benchmark, benchmark_result
-from eval.benchmark_config import ALL, DECODE, KV_BYTES, PERPLEXITY, BenchmarkConfig, uniform_only
+from eval.benchmark_config import (
+    ALL,
+    DECODE,
+    DECODE_RECALL,
+    KV_BYTES,
+    PERPLEXITY,
+    BenchmarkConfig,
+    uniform_only,
+)
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
 from eval.report import (
@@ -34,9 +42,10 @@ from eval.report import (
 )
 from eval.shards import method_key
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
-from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder
+from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, Prompt, encode_prompt
 from kvp_cache import KVPCache
-from kvp_cache.compat import cache_kwarg
+from kvp_cache.cache import EvictingLayer
+from kvp_cache.compat import cache_kwarg, evicting_layer_indices
 from kvp_cache.policy import Calibration, load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
@@ -67,6 +76,7 @@ def small_config(**overrides) -> BenchmarkConfig:
         text_windows={96: 3},
         continuation_tokens=12,
         decode_caps=[],
+        recall_caps=[],
         allocations=["uniform"],
     )
     return BenchmarkConfig(**{**options, **overrides})
@@ -364,7 +374,7 @@ def test_cli_writes_json_report_and_plots(tiny, tmp_path, monkeypatch, fake_corp
     args = ["benchmark", "--methods", "knorm,tova", "--policy", "", "--budgets", "0.1,0.25", "--contexts", "256",
             "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "", "--protocols", "question_in",
             "--corpora", "angular", "--text-contexts", "96", "--text-windows", "2", "--continuation-tokens", "8",
-            "--essays-dir", "", "--decode-caps", ""]  # fmt: skip
+            "--essays-dir", "", "--decode-caps", "", "--recall-caps", ""]  # fmt: skip
     # --no-run reports what is done so far: nothing yet.
     assert main([*args, "--out", str(tmp_path / "empty"), "--no-run"]) == 0
     empty = json.loads((tmp_path / "empty" / "benchmark.json").read_text())
@@ -425,7 +435,7 @@ def test_cli_prefill_in_chunks_gives_the_same_rows(tiny, tmp_path, monkeypatch, 
     args = ["benchmark", "--methods", "snapkv,expected_attention", "--policy", "", "--budgets", "0.25",
             "--contexts", "256", "--samples", "2", "--tasks", "niah_single", "--screened-tasks", "",
             "--protocols", "question_in,question_after", "--corpora", "kjv", "--text-contexts", "96",
-            "--text-windows", "2", "--continuation-tokens", "8", "--essays-dir", "", "--decode-caps", ""]  # fmt: skip
+            "--text-windows", "2", "--continuation-tokens", "8", "--essays-dir", "", "--decode-caps", "", "--recall-caps", ""]  # fmt: skip
     rows = {}
     for chunk in (None, 40):
         out = tmp_path / str(chunk)
@@ -782,6 +792,173 @@ def test_decode_config_errors():
         decode_config(decode_chunk_tokens=0)
     with pytest.raises(ValueError, match="oracle_horizon"):
         decode_config(oracle_horizon=0)
+
+
+# ---------------------------------------------------------------- recall under a cap
+
+
+def recall_config(**overrides) -> BenchmarkConfig:
+    """The decode_recall protocol alone, at a smoke size: a 256-token needle context, then 24 filler
+    tokens read 4 at a time; cap 0.1 is 28 tokens, 4096 holds everything."""
+    options = dict(
+        contexts=[], protocols=[], tasks=[], screened_tasks=[], text_contexts=[], methods=["knorm", "tova", "lagkv"],
+        recall_caps=[0.1, 4096], recall_samples=2, recall_context_tokens=256, recall_filler_tokens=24,
+        decode_chunk_tokens=4, evict_every=3, sink_tokens=2, window_tokens=4,
+    )  # fmt: skip
+    return small_config(**{**options, **overrides})
+
+
+def recall_records(out: Path) -> dict[tuple[str, int], dict]:
+    return {key: r for key, r in latest_records(out).items() if key[0].startswith(f"shards/{DECODE_RECALL}/")}
+
+
+def test_recall_cap_holding_everything_answers_as_the_uncapped_cache(
+    tiny, tmp_path, fake_corpora, monkeypatch
+):
+    model, tokenizer = tiny
+    config = recall_config()
+    chunks, forward = [], recall.forward_tokens
+    monkeypatch.setattr(
+        recall, "forward_tokens", lambda m, c, ids, **o: chunks.append(ids.shape) or forward(m, c, ids, **o)
+    )
+    result = run(model, tokenizer, config, tmp_path)
+    # Every cache (uncapped, 2 methods x 2 caps) of every sample reads the 24 filler tokens 4 at a time.
+    assert chunks == [(1, 4)] * 6 * 5 * 4
+    assert result["pending"] == [] and config.cap_tokens(0.1, DECODE_RECALL) == 28
+    records = recall_records(tmp_path)
+    assert len(records) == 2 * 2 and {r["filler_tokens"] for r in records.values()} == {24}
+    changed = 0
+    for record in records.values():
+        full = record["predictions"][FULL]
+        for method in ("knorm", "tova"):  # lagkv cannot rank decoded tokens
+            assert record["predictions"][f"{method}@4096"] == full
+            changed += record["predictions"][f"{method}@0.1"] != full
+        assert not any(key.startswith("lagkv") for key in record["predictions"])
+    assert changed > 0  # a cap of 28 of the ~280 tokens read loses what the answer needed
+    # The uncapped answer is plain greedy decoding of needle context + filler + question in one go.
+    bench = Benchmark(model, tokenizer, config, tmp_path)
+    sample = bench.samples("niah_single", 256, 2)[1]
+    prompt = encode_prompt(sample, tokenizer, True, torch.device("cpu"))
+    filler = realtext.windows(realtext.corpus_tokens("kjv", tokenizer), 24, 2)[1]
+    read = Prompt(torch.cat([prompt.prefix, filler], -1), prompt.suffix)
+    expected = bench.decoder.from_scratch(read, FULL, None, MAX_NEW_TOKENS["niah_single"])
+    record = records[f"shards/{DECODE_RECALL}/niah_single/256.jsonl", 1]
+    assert record["predictions"][FULL] == expected and record["prompt_tokens"] == read.full.shape[1]
+    rows = [r for r in result["rows"] if r["protocol"] == DECODE_RECALL]
+    grid = [(FULL, None)] + [(m, c) for m in ("knorm", "tova") for c in (0.1, 4096)]
+    assert [(r["task"], r["method"], r["budget"]) for r in rows] == [
+        (task, m, c) for task in ("niah_single", "niah_multikey", ALL) for m, c in grid
+    ]
+    for r in rows:
+        assert (
+            set(r) == NEEDLE_FIELDS | {"of_full"}
+            and r["metric"] == "accuracy"
+            and r["n"] == (2 if r["task"] != ALL else 4)
+        )
+        full = next(f for f in rows if f["task"] == r["task"] and f["method"] == FULL)["score"]
+        assert r["of_full"] == (pytest.approx(r["score"] / full) if full else None)
+    from eval.report import write_report
+
+    write_report(result, tmp_path / "report")
+    text = (tmp_path / "report" / "benchmark.md").read_text()
+    assert (
+        "recall under a cap" in text
+        and "cap 10% (28)" in text
+        and "| decode_recall/niah_single/256 | 2 |" in text
+    )
+
+
+def test_recall_resumes_and_another_filler_length_recomputes(tiny, tmp_path, fake_corpora, work):
+    model, tokenizer = tiny
+    config = recall_config(recall_tasks=["niah_single"], recall_caps=[0.1])
+    first = run(model, tokenizer, config, tmp_path)
+    assert work["prefill"] == 2
+    work.clear()
+    assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"] and work["prefill"] == 0
+    other = recall_config(recall_tasks=["niah_single"], recall_caps=[0.1], recall_filler_tokens=20)
+    pending = benchmark_result(other, tmp_path, other.fingerprint(None), {})["pending"]
+    assert [(p["protocol"], p["done"]) for p in pending] == [(DECODE_RECALL, 0)]
+    run(model, tokenizer, other, tmp_path)
+    assert work["prefill"] == 2
+    assert {r["filler_tokens"] for r in recall_records(tmp_path).values()} == {20}
+    assert run(model, tokenizer, config, tmp_path)["rows"] == first["rows"] and work["prefill"] == 2
+    # A new cap tops the records up: one prefill per sample, only the new rows computed.
+    more = recall_config(recall_tasks=["niah_single"], recall_caps=[0.1, 4096])
+    built, from_prefill = [], KVPCache.from_prefill
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            KVPCache,
+            "from_prefill",
+            lambda *a, **o: built.append(o["max_cache_tokens"]) or from_prefill(*a, **o),
+        )
+        run(model, tokenizer, more, tmp_path)
+    assert work["prefill"] == 4 and built == [4096] * 2 * 2
+
+
+def test_recall_caps_only_the_global_layers_of_a_hybrid_model(tiny, tmp_path, fake_corpora, monkeypatch):
+    """Gemma 3: sliding-window layers keep their own window, the global ones hold at most the cap."""
+    model = tiny_model("gemma3")
+    model.resize_token_embeddings(len(tiny[1]), mean_resizing=False)
+    config = recall_config(methods=["knorm", "snapkv"], recall_tasks=["niah_single"])
+    caches, from_prefill = [], KVPCache.from_prefill
+
+    def spy(*args, **options):
+        caches.append((options["max_cache_tokens"], from_prefill(*args, **options)))
+        return caches[-1][1]
+
+    monkeypatch.setattr(KVPCache, "from_prefill", spy)
+    run(model, tiny[1], config, tmp_path)
+    records = recall_records(tmp_path)
+    read = [records[f"shards/{DECODE_RECALL}/niah_single/256.jsonl", i]["prompt_tokens"] for i in (0, 1)]
+    assert len(caches) == 2 * 2 * 2
+    for k, (cap, cache) in enumerate(caches):  # sample 0's four caches, then sample 1's
+        evicting = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictingLayer)]
+        assert evicting == evicting_layer_indices(model.config) == [1, 3]
+        # Each read context, filler and question (and the answer but its last token).
+        assert all(cache.layers[i].cumulative_length >= read[k // 4] for i in evicting)
+        held = [cache.layers[i].physical_length() for i in evicting]
+        if cap == 28:
+            assert max(held) <= cap + config.evict_every
+        else:
+            assert held == [cache.layers[i].cumulative_length for i in evicting]
+    for record in recall_records(tmp_path).values():
+        assert (
+            record["predictions"]["knorm@4096"]
+            == record["predictions"]["snapkv@4096"]
+            == record["predictions"][FULL]
+        )
+
+
+def test_recall_config_errors_and_options(tiny, tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="recall_caps .* fewer than sink_tokens"):
+        recall_config(recall_caps=[5])
+    with pytest.raises(ValueError, match="recall_caps .* fewer than sink_tokens"):
+        recall_config(recall_caps=[0.01])  # 3 of 280 tokens
+    for name, value in (("recall_samples", 0), ("recall_context_tokens", 32), ("recall_filler_tokens", 0)):
+        with pytest.raises(ValueError, match=f"{name} must be an int"):
+            recall_config(**{name: value})
+    with pytest.raises(ValueError, match="recall_tasks must be among"):
+        recall_config(recall_tasks=["vt"])
+    with pytest.raises(ValueError, match="recall_tasks is empty"):
+        recall_config(recall_tasks=[])
+    assert recall_config(recall_tasks=[], recall_caps=[]).recall_grid() == [(FULL, None)]
+    model, tokenizer = tiny
+    monkeypatch.setattr("eval.__main__.load_model", lambda name, device: (model, tokenizer))
+    args = ["benchmark", "--methods", "knorm", "--policy", "", "--contexts", "", "--protocols", "", "--tasks", "",
+            "--screened-tasks", "", "--text-contexts", "", "--decode-caps", "", "--essays-dir", "", "--no-run",
+            "--recall-caps", "0.5,64", "--recall-tasks", "niah_multikey", "--recall-samples", "3",
+            "--recall-context-tokens", "512", "--recall-filler-tokens", "100", "--out", str(tmp_path)]  # fmt: skip
+    assert main(args) == 0
+    result = json.loads((tmp_path / "benchmark.json").read_text())
+    assert {k: v for k, v in result["config"].items() if k.startswith("recall_")} == {
+        "recall_caps": [0.5, 64], "recall_tasks": ["niah_multikey"], "recall_samples": 3,
+        "recall_context_tokens": 512, "recall_filler_tokens": 100,
+    }  # fmt: skip
+    assert [(p["protocol"], p["task"], p["context_tokens"], p["n"]) for p in result["pending"]] == [
+        (DECODE_RECALL, "niah_multikey", 512, 3)
+    ]
+    assert main([*args[:-2], "--recall-caps", "", "--out", str(tmp_path / "off")]) == 0
+    assert json.loads((tmp_path / "off" / "benchmark.json").read_text())["pending"] == []
 
 
 def adaptive_config(**overrides) -> BenchmarkConfig:
