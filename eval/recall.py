@@ -66,7 +66,7 @@ def recall_cell(bench: Benchmark, task: str) -> Cell:
 
         def answer(cache) -> str:
             read_in_chunks(bench.model, cache, filler, config.decode_chunk_tokens)
-            return decoder.decode(decoder._after_suffix(cache, read, tokens)[0])
+            return decoder.decode(decoder.after_suffix(cache, read, tokens)[0])
 
         predictions = {FULL: answer(copy.deepcopy(prefilled.cache))} if (FULL, None) in rows else {}
         capped = [(method, cap) for method, cap in rows if method != FULL]

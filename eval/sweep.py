@@ -222,7 +222,7 @@ class AnswerDecoder:
         if prompt.suffix.shape[1] == 0:
             tokens = generate_after_prefill(self.model, prefilled, cache, max_new_tokens, **self.pad)
         else:
-            tokens = self._after_suffix(cache, prompt, max_new_tokens)
+            tokens = self.after_suffix(cache, prompt, max_new_tokens)
         return self.decode(tokens[0])
 
     def budget_answers(
@@ -236,7 +236,7 @@ class AnswerDecoder:
         cache = self.compressed(prefilled, methods, budget)
         rows = len(methods)
         if prompt.suffix.shape[1] > 0:
-            tokens = self._after_suffix(cache, prompt, max_new_tokens, rows)
+            tokens = self.after_suffix(cache, prompt, max_new_tokens, rows)
         else:
             input_ids = prefilled.input_ids.expand(rows, -1)
             batch = dataclasses.replace(
@@ -259,9 +259,9 @@ class AnswerDecoder:
             out = self.model.generate(prompt.full, max_new_tokens=max_new_tokens, **kwargs)
             return self.decode(out[0, prompt.full.shape[1] :])
         forward_tokens(self.model, cache, prompt.prefix, logits_to_keep=1)
-        return self.decode(self._after_suffix(cache, prompt, max_new_tokens)[0])
+        return self.decode(self.after_suffix(cache, prompt, max_new_tokens)[0])
 
-    def _after_suffix(self, cache, prompt: Prompt, max_new_tokens: int, rows: int = 1) -> torch.Tensor:
+    def after_suffix(self, cache, prompt: Prompt, max_new_tokens: int, rows: int = 1) -> torch.Tensor:
         """Append the suffix uncompressed and generate after it; ``[rows, max_new_tokens]``.
 
         With ``question_whole`` ``generate`` feeds the suffix in one forward, which a
