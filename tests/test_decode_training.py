@@ -15,11 +15,11 @@ from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.policy import HeadAgents, KVPolicy
 from kvp_cache.targets import eviction_points
-from train import data, fit, supervised
+from train import data, decode_downstream, fit, supervised
 from train.batch import one_row_positions, pad_batch
 from train.decode import DecodeCollectConfig, stored_evictions, write_decode_traces
 from train.decode_downstream import DecodeDownstreamConfig, sequence_nll
-from train.downstream import FULL
+from train.downstream import ALL_TEXT, FULL, source_groups
 from train.traces import LayerSample, TraceSplit
 
 PROMPT, DECODE = 24, 40
@@ -252,3 +252,31 @@ def test_decode_downstream_equals_a_hand_loop(llama):
         assert abs(nll[f"kvp@{cap}"] - nll[FULL]) > 1e-4  # the cap evicts what the reading needs
     with pytest.raises(ValueError, match="caps must each exceed"):
         DecodeDownstreamConfig("", "", methods=["knorm"], caps=[4], sinks=2, window=3).validate()
+
+
+def test_validation_sequences_are_the_traced_ones(tmp_path, llama, monkeypatch):
+    """downstream-decode rebuilds the traced sequences from collect.json; every prompt has one length,
+    so a sequence whose text changed (other corpora, other code) is caught by its recorded digest."""
+    config = decode_config(tmp_path)
+    splits = {"train": random_sequences(1, 0), "val": random_sequences(2, 1, sampled=True)}
+    write_decode_traces(llama, tmp_path, splits, config)
+    traced_continuation = TraceSplit(tmp_path, "val").samples[0]["continuation_ids"]
+
+    def rebuilt(val):
+        monkeypatch.setattr(
+            decode_downstream, "decode_examples", lambda config, tokenizer: {"train": [], "val": val}
+        )
+        return decode_downstream.validation_sequences(tmp_path, "val", tokenizer=None)
+
+    again = random_sequences(2, 1, sampled=True)
+    assert [e.future_ids for e in rebuilt(again)] == [traced_continuation, splits["val"][1].future_ids]
+    other = random_sequences(2, 1, sampled=True)
+    other[1].future_ids = [(t + 1) % 256 for t in other[1].future_ids]
+    with pytest.raises(ValueError, match="not rebuilt identically"):
+        rebuilt(other)
+
+
+def test_sampled_continuations_pool_with_the_text():
+    records = [{"source": s} for s in ("code", "code-sampled", "niah_single", "niah_single-after")]
+    groups = source_groups(records)
+    assert [r["source"] for r in groups[ALL_TEXT]] == ["code", "code-sampled"]

@@ -31,7 +31,7 @@ from kvp_cache.models import load_model
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
 from train.data import Example
-from train.decode import DecodeCollectConfig, decode_examples
+from train.decode import DecodeCollectConfig, decode_examples, ids_digest
 from train.downstream import FULL, score_examples, write_summary
 from train.evaluate import parse_policies
 from train.traces import TraceSplit
@@ -86,13 +86,17 @@ def validation_sequences(traces: str | Path, split: str, tokenizer) -> list[Exam
     out = []
     for record in TraceSplit(traces, split).samples:
         example = examples.get(record["uid"])
+        mismatch = ValueError(
+            f"traced sequence {record['uid']} is not rebuilt identically from collect.json (was the "
+            "collection made by another version of the code, or did its corpora change?)"
+        )
         if example is None or len(example.prompt_ids) != record["prompt_tokens"]:
-            raise ValueError(
-                f"traced sequence {record['uid']} is not rebuilt identically from collect.json (was the "
-                "collection made by another version of the code?)"
-            )
+            raise mismatch
         if example.future_ids is None:
             example.future_ids = record["continuation_ids"]
+        recorded = record.get("ids_sha256")  # absent in collections made before it was recorded
+        if recorded is not None and recorded != ids_digest(example.prompt_ids + example.future_ids):
+            raise mismatch
         out.append(example)
     return out
 

@@ -40,6 +40,7 @@ from kvp_cache.tables import markdown_table
 from train.collect import recorded_config, split_collection
 from train.corpora import CORPORA
 from train.data import Example
+from train.decode import SAMPLED
 from train.evaluate import parse_policies
 from train.traces import TraceSplit
 
@@ -151,7 +152,8 @@ def source_groups(records: list[dict]) -> dict[str, list[dict]]:
     groups: dict[str, list[dict]] = {}
     for record in records:
         groups.setdefault(record["source"], []).append(record)
-        if record["source"] in TEXT_SOURCES:
+        # A sampled continuation (collect-decode --sampled) is text of its prompt's corpus.
+        if record["source"].removesuffix(f"-{SAMPLED}") in TEXT_SOURCES:
             groups.setdefault(ALL_TEXT, []).append(record)
     return dict(sorted(groups.items()))
 
