@@ -86,19 +86,24 @@ def validation_sequences(traces: str | Path, split: str, tokenizer) -> list[Exam
     out = []
     for record in TraceSplit(traces, split).samples:
         example = examples.get(record["uid"])
-        mismatch = ValueError(
-            f"traced sequence {record['uid']} is not rebuilt identically from collect.json (was the "
-            "collection made by another version of the code, or did its corpora change?)"
-        )
-        if example is None or len(example.prompt_ids) != record["prompt_tokens"]:
-            raise mismatch
-        if example.future_ids is None:
+        if example is not None and example.future_ids is None:
             example.future_ids = record["continuation_ids"]
-        recorded = record.get("ids_sha256")  # absent in collections made before it was recorded
-        if recorded is not None and recorded != ids_digest(example.prompt_ids + example.future_ids):
-            raise mismatch
+        if not traced_identically(example, record):
+            raise ValueError(
+                f"traced sequence {record['uid']} is not rebuilt identically from collect.json (was the "
+                "collection made by another version of the code, or did its corpora change?)"
+            )
         out.append(example)
     return out
+
+
+def traced_identically(example: Example | None, record: dict) -> bool:
+    """Whether a rebuilt sequence is the one ``record`` traced: by its token digest, or only by its
+    prompt length in collections made before the digest was recorded."""
+    if example is None or len(example.prompt_ids) != record["prompt_tokens"]:
+        return False
+    recorded = record.get("ids_sha256")
+    return recorded is None or recorded == ids_digest(example.prompt_ids + example.future_ids)
 
 
 @torch.no_grad()
