@@ -17,7 +17,7 @@ from eval.corpora import CORPORA
 from eval.oracle import ORACLE, OracleScorer
 from eval.sweep import FULL, check_methods
 from kvp_cache import ruler
-from kvp_cache.allocation import MODES, validate_mode
+from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, validate_mode
 from kvp_cache.budget import Budget, validate_budget, validate_count
 from kvp_cache.scorers import SCORERS
 
@@ -297,7 +297,15 @@ class BenchmarkConfig:
         # The legacy format predates allocations: its method list is the uniform one.
         methods = self.methods + ([ORACLE] if self.oracle else [])
         legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
-        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256, self.min_per_head)
+        minimum = minimum_label(self.min_per_head)
+        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256, minimum)
+
+
+def minimum_label(min_per_head: int | None) -> int | str:
+    """How records name the minimum per head of their adaptive answers: the number, or for the
+    cache's default (None) its rule with today's constant, so that changing
+    :data:`~kvp_cache.allocation.MIN_EXTRA_PER_HEAD` recomputes them."""
+    return min_per_head if min_per_head is not None else f"protected+{MIN_EXTRA_PER_HEAD}"
 
 
 def digest(keys: dict) -> str:
@@ -318,13 +326,13 @@ class Fingerprint:
     calibration: sha256 of the policy's cross-head calibration (None without one); a record's
         learned adaptive answers (:func:`~eval.shards.is_calibrated`) are recomputed when it names
         another one.
-    min_per_head: :attr:`BenchmarkConfig.min_per_head`; a record's adaptive answers
-        (:func:`~eval.shards.is_adaptive`) are recomputed when it names another one (records
-        without the field, made before it existed, used the default, None).
+    min_per_head: :func:`minimum_label` of :attr:`BenchmarkConfig.min_per_head`; a record's adaptive
+        answers (:func:`~eval.shards.is_adaptive`) are recomputed when it names another one
+        (:func:`~eval.shards.recorded_minimum` reads records made before the label).
     """
 
     config: str
     policy: str | None
     legacy: str
-    calibration: str | None = None
-    min_per_head: int | None = None
+    calibration: str | None
+    min_per_head: int | str

@@ -67,7 +67,7 @@ def missing_rows(
     held = {key for name in ANSWER_FIELDS for key in record.get(name, {})}
     fresh = record.get("policy") == fingerprint.policy
     calibrated = record.get("calibration") == fingerprint.calibration
-    minimum = record.get("min_per_head") == fingerprint.min_per_head
+    minimum = recorded_minimum(record) == fingerprint.min_per_head
     return [
         (method, budget)
         for method, budget in grid
@@ -76,6 +76,19 @@ def missing_rows(
         or (is_calibrated(key) and not calibrated)
         or (is_adaptive(key) and not minimum)
     ]
+
+
+LEGACY_DEFAULT_MINIMUM = "protected+8"
+"""The minimum per head of records that name none (made before they named the default's rule, or
+before the field existed): the cache's default while ``MIN_EXTRA_PER_HEAD`` was 8, as it always was
+until then."""
+
+
+def recorded_minimum(record: dict) -> int | str:
+    """The minimum per head ``record``'s adaptive answers were made with
+    (:func:`~eval.benchmark_config.minimum_label`)."""
+    minimum = record.get("min_per_head")
+    return LEGACY_DEFAULT_MINIMUM if minimum is None else minimum
 
 
 def topped_up(record: dict | None, new: dict, fingerprint: Fingerprint) -> dict:
@@ -93,7 +106,7 @@ def topped_up(record: dict | None, new: dict, fingerprint: Fingerprint) -> dict:
     adaptive = any(map(is_adaptive, keys))
     stale = learned and old.get("policy") != fingerprint.policy
     stale_calibration = calibrated and old.get("calibration") != fingerprint.calibration
-    stale_minimum = adaptive and old.get("min_per_head") != fingerprint.min_per_head
+    stale_minimum = adaptive and recorded_minimum(old) != fingerprint.min_per_head
     merged = {**old, **new, "policy": fingerprint.policy if learned else old.get("policy")}
     if calibrated:
         merged["calibration"] = fingerprint.calibration

@@ -16,7 +16,7 @@ from test_policy import tiny_policy
 from test_sweep import PROVENANCE_FIELDS, tiny_with_chat_tokenizer
 
 import eval.benchmark as benchmark
-from eval import realtext, recall
+from eval import benchmark_config, realtext, recall
 from eval.__main__ import main
 from eval.benchmark import Benchmark, benchmark_result
 from eval.benchmark_config import (
@@ -44,6 +44,7 @@ from eval.shards import method_key
 from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
 from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, Prompt, encode_prompt
 from kvp_cache import KVPCache
+from kvp_cache.allocation import MIN_EXTRA_PER_HEAD
 from kvp_cache.cache import EvictingLayer
 from kvp_cache.compat import cache_kwarg, evicting_layer_indices
 from kvp_cache.policy import Calibration, load_policy
@@ -1100,11 +1101,15 @@ def test_another_min_per_head_recomputes_only_the_adaptive_rows(
     before = run(model, tokenizer, config, tmp_path)
     for shard in sample_shards(tmp_path):  # as written before the field existed
         records = [json.loads(line) for line in shard.read_text().splitlines()]
-        assert {r["min_per_head"] for r in records} == {None}
+        assert {r["min_per_head"] for r in records} == {f"protected+{MIN_EXTRA_PER_HEAD}"}
         shard.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "min_per_head"}) + "\n"
                                  for r in records))  # fmt: skip
     records = latest_records(tmp_path)
     assert benchmark_result(config, tmp_path, config.fingerprint(None), {})["rows"] == before["rows"]
+    with monkeypatch.context() as patch:  # another default minimum is another minimum
+        patch.setattr(benchmark_config, "MIN_EXTRA_PER_HEAD", MIN_EXTRA_PER_HEAD + 1)
+        pending = benchmark_result(config, tmp_path, config.fingerprint(None), {})["pending"]
+        assert [(p["done"], p["missing"]) for p in pending] == [(0, [ORACLE + "+head", "snapkv+head"])] * 2
     pending = benchmark_result(fewer, tmp_path, fewer.fingerprint(None), {})["pending"]
     assert [(p["done"], p["missing"]) for p in pending] == [(0, [ORACLE + "+head", "snapkv+head"])] * 2
     built, from_prefill = [], KVPCache.from_prefill
