@@ -424,6 +424,9 @@ def select_slots(scores: torch.Tensor, valid: torch.Tensor, kept: torch.Tensor, 
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     order = scores.argsort(dim=-1, descending=True, stable=True)
     chosen = torch.empty_like(order).scatter_(-1, order, arange) < kept[:, None, None]
+    if bool((kept == slots).all()):
+        # Every head chose exactly `slots` entries and needs no fillers: they are the answer, in order.
+        return arange.masked_select(chosen).view(b, h, slots)
     # Fillers: padding first, then the lowest-scored leftovers; they are masked out anyway.
     preference = torch.where(chosen, 3 * n, torch.where(valid[:, None, :], n + arange, arange))
     filler_rank = torch.empty_like(order).scatter_(-1, preference.argsort(dim=-1), arange)
