@@ -17,7 +17,7 @@ from kvp_cache.policy import HeadAgents, KVPolicy
 from kvp_cache.targets import eviction_points
 from train import data, decode_downstream, fit, supervised
 from train.batch import one_row_positions, pad_batch
-from train.decode import DecodeCollectConfig, stored_evictions, write_decode_traces
+from train.decode import DecodeCollectConfig, decode_examples, stored_evictions, write_decode_traces
 from train.decode_downstream import DecodeDownstreamConfig, sequence_nll
 from train.downstream import ALL_TEXT, FULL, source_groups
 from train.traces import LayerSample, TraceSplit
@@ -280,3 +280,28 @@ def test_sampled_continuations_pool_with_the_text():
     records = [{"source": s} for s in ("code", "code-sampled", "niah_single", "niah_single-after")]
     groups = source_groups(records)
     assert [r["source"] for r in groups[ALL_TEXT]] == ["code", "code-sampled"]
+
+
+class BosTokenizer:
+    """Byte ids after a BOS, as Gemma's tokenizer puts one before any text."""
+
+    bos_token_id, eos_token_id = 1, 2
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        ids = [3 + b for b in text.encode()]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+
+def test_prompts_count_the_leading_bos(tmp_path, monkeypatch, prose_dir):
+    """A model whose prompts start with BOS gets prompts of exactly ``prompt_tokens``, BOS first."""
+
+    def prose(corpus, seed, max_chars, keep=None, essays_dir=None):
+        return [p.read_text() for p in sorted(prose_dir.glob("*.txt"))]
+
+    monkeypatch.setattr("train.collect.documents", prose)
+    config = decode_config(tmp_path, windows={"code": 3}, val_fraction=0.0)
+    examples = decode_examples(config, BosTokenizer())["train"]
+    assert len(examples) == 3
+    for example in examples:
+        assert len(example.prompt_ids) == PROMPT and example.prompt_ids[0] == BosTokenizer.bos_token_id
+        assert len(example.future_ids) == DECODE and BosTokenizer.bos_token_id not in example.prompt_ids[1:]

@@ -1,7 +1,8 @@
 """``python -m train collect-decode``: traces of long sequences a capped cache reads while decoding.
 
-Each sequence is a prompt of ``prompt_tokens`` from the TRAINING corpora (``train/corpora.py``;
-held-out windows come from held-out documents, as ``collect`` cuts them) followed by
+Each sequence is a prompt of ``prompt_tokens`` (the tokenizer's leading BOS, if any, included) from
+the TRAINING corpora (``train/corpora.py``; held-out windows come from held-out documents, as
+``collect`` cuts them) followed by
 ``decode_tokens`` more: the true text, teacher-forced (``--windows``), or the model's own sampled
 continuation (``--sampled``). The capped cache reads the prompt in one forward, then the rest in
 forwards of ``chunk_tokens`` (1: token by token, as ``generate``), and evicts on the schedule of
@@ -103,15 +104,17 @@ class DecodeCollectConfig:
         chunks = range(0, self.decode_tokens, self.chunk_tokens)
         return [self.prompt_tokens] + [min(self.chunk_tokens, self.decode_tokens - c) for c in chunks]
 
-    def window_config(self, windows: dict[str, int], seed: int) -> CollectConfig:
+    def window_config(self, windows: dict[str, int], seed: int, leading_tokens: int = 0) -> CollectConfig:
         """``collect``'s settings cutting these windows: prompt + continuation, held-out windows
-        from held-out documents."""
+        from held-out documents. leading_tokens: the ids the tokenizer puts before any text
+        (Gemma's BOS), which the window's prompt starts with and ``prompt_tokens`` counts."""
+        text_tokens = self.prompt_tokens - leading_tokens
         return CollectConfig(
             out=self.out,
             model=self.model,
             windows=windows,
             essays_dir=self.essays_dir,
-            context_tokens=(self.prompt_tokens, self.prompt_tokens),
+            context_tokens=(text_tokens, text_tokens),
             future_tokens=(self.decode_tokens, self.decode_tokens),
             val_fraction=self.val_fraction,
             seed=seed,
@@ -122,10 +125,11 @@ def decode_examples(config: DecodeCollectConfig, tokenizer) -> dict[str, list[da
     """``{train_name: [...], val_name: [...]}``: teacher-forced windows, then sampled ones (their
     ``future_ids`` None: the continuation is sampled when traced), cut with another seed."""
     groups = []
+    leading = len(data.leading_special_ids(tokenizer))
     if any(config.windows.values()):
-        groups.append(build_examples(config.window_config(config.windows, config.seed), tokenizer))
+        groups.append(build_examples(config.window_config(config.windows, config.seed, leading), tokenizer))
     if any(config.sampled.values()):
-        cut = build_examples(config.window_config(config.sampled, config.seed + 1), tokenizer)
+        cut = build_examples(config.window_config(config.sampled, config.seed + 1, leading), tokenizer)
         groups.append(
             [
                 replace(e, uid=f"{SAMPLED}/{e.uid}", source=f"{e.source}-{SAMPLED}", future_ids=None)
