@@ -125,7 +125,7 @@ class Benchmark:
             )
         calibration = getattr(policy, "calibration", None)
         calibration_sha256 = hashlib.sha256(calibration.to_bytes()).hexdigest() if calibration else None
-        self.fingerprint = config.fingerprint(sha256, calibration_sha256)
+        self.fingerprint = config.fingerprint(sha256, calibration_sha256, realtext.placement(tokenizer))
         self.haystack = ruler.load_haystack(config.essays_dir)
 
     def shard(self, *parts: object, fields: dict | None = None) -> Shard:
@@ -193,8 +193,8 @@ class Benchmark:
         if not rows:
             return
         name = self.config.corpora[0]
-        stream = realtext.corpus_tokens(name, self.tokenizer)
-        window = realtext.windows(stream, context + self.config.continuation_tokens, 1)[0].to(self.device)
+        length = context + self.config.continuation_tokens
+        window = realtext.corpus_windows(name, self.tokenizer, length, 1)[0].to(self.device)
         with torch.no_grad():
             prefilled = self.prefill(window[:, :context])
             measured = self.answers(
@@ -207,7 +207,12 @@ class Benchmark:
                 ],
             )
         sizes.append(
-            {"index": 0, "corpus": name, "windows": realtext.WINDOWS, KV_BYTES: {**held, **measured}}
+            {
+                "index": 0,
+                "corpus": name,
+                "windows": self.fingerprint.text_windows,
+                KV_BYTES: {**held, **measured},
+            }
         )
 
     def samples(self, task: str, context: int, count: int) -> list[ruler.Sample]:
@@ -264,9 +269,10 @@ class Benchmark:
         return Cell(self.shard(protocol, task, context), len(samples), compute, self.config.grid())
 
     def text_cell(self, name: str, context: int) -> Cell:
-        stream = realtext.corpus_tokens(name, self.tokenizer)
         count = self.config.text_windows[context]
-        windows = realtext.windows(stream, context + self.config.continuation_tokens, count)
+        windows = realtext.corpus_windows(
+            name, self.tokenizer, context + self.config.continuation_tokens, count
+        )
 
         @torch.no_grad()
         def compute(index: int, rows: list[tuple[str, Budget | None]]) -> dict:
@@ -278,7 +284,7 @@ class Benchmark:
                 return realtext.continuation_nll(self.model, prefilled, cache, continuation).tolist()
 
             return {
-                "windows": realtext.WINDOWS,
+                "windows": self.fingerprint.text_windows,
                 "nll": self.answers(
                     prefilled,
                     rows,
@@ -298,9 +304,9 @@ class Benchmark:
         only the cap evicts) and reads the rest in chunks; the uncapped row reads it the same way."""
         config = self.config
         prompt_tokens = config.decode_prompt_tokens
-        stream = realtext.corpus_tokens(name, self.tokenizer)
-        windows = realtext.windows(stream, prompt_tokens + config.decode_tokens, config.decode_windows)
-        fields = config.decode_fields()
+        length = prompt_tokens + config.decode_tokens
+        windows = realtext.corpus_windows(name, self.tokenizer, length, config.decode_windows)
+        fields = config.decode_fields(self.fingerprint.text_windows)
         # The forwards that read a window: the prompt, then the chunks of every token but the last.
         chunks = range(0, config.decode_tokens - 1, config.decode_chunk_tokens)
         forwards = [prompt_tokens] + [

@@ -250,11 +250,12 @@ class BenchmarkConfig:
         """``max_cache_tokens`` of a cap: a token count, or a share of :meth:`capped_length`."""
         return cap if isinstance(cap, int) else round(cap * self.capped_length(protocol))
 
-    def decode_fields(self) -> dict:
+    def decode_fields(self, windows: str) -> dict:
         """What every ``decode`` record depends on besides the fingerprint and its cell (records
-        carry them; :class:`~eval.shards.Shard` reads no record made with others)."""
+        carry them; :class:`~eval.shards.Shard` reads no record made with others); windows:
+        :attr:`Fingerprint.text_windows`."""
         return {
-            "windows": realtext.WINDOWS,
+            "windows": windows,
             "decode_tokens": self.decode_tokens,
             "chunk_tokens": self.decode_chunk_tokens,
             "evict_every": self.evict_every,
@@ -272,7 +273,12 @@ class BenchmarkConfig:
             "evict_every": self.evict_every,
         }
 
-    def fingerprint(self, policy_sha256: str | None, calibration_sha256: str | None = None) -> Fingerprint:
+    def fingerprint(
+        self,
+        policy_sha256: str | None,
+        calibration_sha256: str | None = None,
+        text_windows: str = realtext.WINDOWS,
+    ) -> Fingerprint:
         """What the shard records of a run with the policy of ``policy_sha256`` must match.
 
         The hash covers what EVERY answer of a record depends on: the samples (seed, essays, the
@@ -284,7 +290,8 @@ class BenchmarkConfig:
         policy's cross-head calibration, which its adaptive answers also depend on
         (:func:`~eval.shards.is_calibrated`). ``min_per_head`` stays out of it too: only adaptive
         answers depend on it (:func:`~eval.shards.is_adaptive`), and records name it, so another
-        value recomputes those alone.
+        value recomputes those alone. ``text_windows``: how the model's real-text windows start
+        (:func:`eval.realtext.placement`), which only real-text records depend on.
         """
         keys = {
             "seed": self.seed,
@@ -298,7 +305,9 @@ class BenchmarkConfig:
         methods = self.methods + ([ORACLE] if self.oracle else [])
         legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
         minimum = minimum_label(self.min_per_head)
-        return Fingerprint(digest(keys), policy_sha256, digest(legacy), calibration_sha256, minimum)
+        return Fingerprint(
+            digest(keys), policy_sha256, digest(legacy), calibration_sha256, minimum, text_windows
+        )
 
 
 def minimum_label(min_per_head: int | None) -> int | str:
@@ -329,6 +338,8 @@ class Fingerprint:
     min_per_head: :func:`minimum_label` of :attr:`BenchmarkConfig.min_per_head`; a record's adaptive
         answers (:func:`~eval.shards.is_adaptive`) are recomputed when it names another one
         (:func:`~eval.shards.recorded_minimum` reads records made before the label).
+    text_windows: what the real-text records read must carry as ``windows``
+        (:func:`eval.realtext.placement`).
     """
 
     config: str
@@ -336,3 +347,4 @@ class Fingerprint:
     legacy: str
     calibration: str | None
     min_per_head: int | str
+    text_windows: str

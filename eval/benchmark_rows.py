@@ -208,7 +208,7 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
         reference = next(iter(config.capped_methods()), None)
         text_cells.append(
             (DECODE, config.decode_prompt_tokens, config.decode_windows, config.decode_grid(), reference,
-             config.decode_fields())
+             config.decode_fields(fingerprint.text_windows))
         )  # fmt: skip
     for protocol, context, wanted, grid, reference, fields in text_cells:
         for name in config.corpora:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from eval.corpora import corpus
 from kvp_cache.integrations import forward_tokens
+from kvp_cache.models import leading_special_ids
 from kvp_cache.prefill import Prefill
 
 
@@ -36,8 +37,8 @@ def corpus_tokens(name: str, tokenizer) -> torch.Tensor:
 
 
 WINDOWS = "spread-slots"
-"""How :func:`windows` places windows. Benchmark text records carry it, and records made otherwise
-(before windows stopped depending on their count) are never read."""
+"""How :func:`windows` places windows. Benchmark text records carry it (:func:`placement`), and
+records made otherwise (before windows stopped depending on their count) are never read."""
 
 
 def spread_order(n: int) -> list[int]:
@@ -68,6 +69,23 @@ def windows(stream: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
             f"the corpus has {stream.shape[0]} tokens: too few for {count} windows of {length}; lower the count"
         )
     return [stream[slot * length : (slot + 1) * length][None] for slot in spread_order(slots)[:count]]
+
+
+def corpus_windows(name: str, tokenizer, length: int, count: int) -> list[torch.Tensor]:
+    """``count`` ``[1, length]`` windows of corpus ``name`` (:func:`windows`), each starting with the
+    ids the tokenizer puts before any text (Gemma's BOS; none for SmolLM2), as every prompt the
+    model sees does: a base model read without its BOS loses up to 0.4 nats per token far into the
+    window. The rest of the window is ``length`` minus those ids of text."""
+    start = torch.tensor([leading_special_ids(tokenizer)], dtype=torch.long)
+    stream = corpus_tokens(name, tokenizer)
+    return [torch.cat([start, w], -1) for w in windows(stream, length - start.shape[1], count)]
+
+
+def placement(tokenizer) -> str:
+    """What text records of windows from :func:`corpus_windows` carry as ``windows``:
+    :data:`WINDOWS`, plus ``+bos`` when they start with the tokenizer's leading ids (records of
+    Gemma 3 read without its BOS, made before, are never read)."""
+    return WINDOWS + ("+bos" if leading_special_ids(tokenizer) else "")
 
 
 @torch.no_grad()

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval import realtext
 from eval.benchmark_config import PERPLEXITY, UNIFORM, Fingerprint, split_row
 from eval.sweep import FULL
 from kvp_cache.budget import Budget
@@ -24,9 +23,9 @@ from kvp_cache.scorers import methods
 
 def shard(out: Path, fingerprint: Fingerprint, *parts: object, fields: dict | None = None) -> Shard:
     """The shard of cell ``parts`` (protocol, task or corpus, length) under ``out/shards``; ``fields``:
-    what its records must carry (real text: the window placement, :data:`eval.realtext.WINDOWS`)."""
+    what its records must carry (real text: the window placement, ``fingerprint.text_windows``)."""
     if parts[0] == PERPLEXITY:
-        fields = {"windows": realtext.WINDOWS}
+        fields = {"windows": fingerprint.text_windows}
     return Shard(Path(out) / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint, fields)
 
 

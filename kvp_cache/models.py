@@ -190,6 +190,13 @@ def available_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def leading_special_ids(tokenizer) -> list[int]:
+    """The ids the tokenizer adds before any text (``[bos]`` for Gemma, ``[]`` for SmolLM2)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    ids = tokenizer("a")["input_ids"]
+    return ids[: len(ids) - len(plain)] if ids[len(ids) - len(plain) :] == plain else []
+
+
 def plain_prompt(sample: Sample, tokenizer, question_in_context: bool = True) -> tuple[str, str]:
     """``(prefix, suffix)`` for a base model: ``bos + context + "\\n" + question + "\\n" + answer_prefix``.
 

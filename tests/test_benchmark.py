@@ -718,6 +718,57 @@ def test_decode_rows_caps_and_resume(tiny, tmp_path, fake_corpora, work):
     }
 
 
+class WithBos:
+    """A tokenizer that puts a BOS before any text, as Gemma 3's does."""
+
+    bos_token_id = 1
+
+    def __init__(self, tokenizer):
+        self.inner = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, text, add_special_tokens: bool = True, **options):
+        encoded = self.inner(text, add_special_tokens=False, **options)
+        if add_special_tokens:
+            encoded["input_ids"] = [self.bos_token_id] + encoded["input_ids"]
+        return encoded
+
+
+def test_text_windows_start_with_the_models_bos(tiny, tmp_path, fake_corpora, monkeypatch):
+    """Real-text windows (prefix compression and decoding under a cap) start as every prompt does, with
+    the tokenizer's BOS; records read without it are not read for a model that has one."""
+    model, tokenizer = tiny
+    config = decode_config(corpora=["kjv"], text_contexts=[64], text_windows={64: 2}, decode_caps=[10])
+    firsts, prefill = [], benchmark.prefill
+
+    def spy(model, input_ids, **options):
+        firsts.append(input_ids[0, :2].tolist())
+        return prefill(model, input_ids, **options)
+
+    def expected(lead: list[int], kv_bytes: bool) -> list[list[int]]:
+        """The first two tokens of each prefill: KV bytes, the 2 text windows, the 2 decode windows."""
+        stream, text, decode = realtext.corpus_tokens("kjv", tokenizer), 64 + 12, 24 + 24
+        cells = [(text, 1)] * kv_bytes + [(text, 2), (decode, 2)]
+        starts = [realtext.windows(stream, length - len(lead), n) for length, n in cells]
+        return sorted((lead + w[0].tolist())[:2] for windows in starts for w in windows)
+
+    monkeypatch.setattr(benchmark, "prefill", spy)
+    plain = run(model, tokenizer, config, tmp_path)
+    assert {r["windows"] for r in latest_records(tmp_path).values()} == {realtext.WINDOWS}
+    assert sorted(firsts) == expected([], kv_bytes=True)
+    firsts.clear()
+    with_bos = run(model, WithBos(tokenizer), config, tmp_path)
+    assert {r["windows"] for r in latest_records(tmp_path).values()} == {realtext.WINDOWS + "+bos"}
+    # Every window is computed again, BOS first; the KV bytes, which no text changes, are not.
+    assert sorted(firsts) == expected([WithBos.bos_token_id], kv_bytes=False)
+    nll = {(r["protocol"], r["corpus"], r["method"], r["budget"]): r["nll"] for r in plain["rows"]}
+    assert len(nll) == len(with_bos["rows"])
+    for row in with_bos["rows"]:
+        assert row["nll"] != nll[row["protocol"], row["corpus"], row["method"], row["budget"]]
+
+
 def test_decode_caps_only_the_global_layers_of_a_hybrid_model(tiny, tmp_path, fake_corpora):
     """Gemma 3: sliding-window layers keep their own window, the global ones are capped (oracle included)."""
     model = tiny_model("gemma3")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from eval.corpora import refuse_held_out
 from kvp_cache import ruler
-from kvp_cache.models import prompt_for
+from kvp_cache.models import leading_special_ids, prompt_for
 
 
 @dataclass
@@ -220,13 +220,6 @@ def text_examples(
         window = stream[start : start + length]
         examples.append(Example(f"{prefix}/{i}", prefix, start_ids + window[:context], window[context:]))
     return examples
-
-
-def leading_special_ids(tokenizer) -> list[int]:
-    """The ids the tokenizer adds before any text (``[bos]`` for Gemma, ``[]`` for SmolLM2)."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    ids = tokenizer("a")["input_ids"]
-    return ids[: len(ids) - len(plain)] if ids[len(ids) - len(plain) :] == plain else []
 
 
 def split_examples(examples: list[Example], val_fraction: float, seed: int) -> dict[str, list[Example]]:

@@ -35,7 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from kvp_cache.compat import cache_kwarg, text_config
-from kvp_cache.models import load_model
+from kvp_cache.models import leading_special_ids, load_model
 from kvp_cache.targets import attention_modules, captured_queries, decode_attention, eviction_points
 from train import data
 from train.collect import CollectConfig, build_examples, parse_windows, write_splits
@@ -125,7 +125,7 @@ def decode_examples(config: DecodeCollectConfig, tokenizer) -> dict[str, list[da
     """``{train_name: [...], val_name: [...]}``: teacher-forced windows, then sampled ones (their
     ``future_ids`` None: the continuation is sampled when traced), cut with another seed."""
     groups = []
-    leading = len(data.leading_special_ids(tokenizer))
+    leading = len(leading_special_ids(tokenizer))
     if any(config.windows.values()):
         groups.append(build_examples(config.window_config(config.windows, config.seed, leading), tokenizer))
     if any(config.sampled.values()):
