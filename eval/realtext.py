@@ -74,8 +74,8 @@ def windows(stream: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
 def corpus_windows(name: str, tokenizer, length: int, count: int) -> list[torch.Tensor]:
     """``count`` ``[1, length]`` windows of corpus ``name`` (:func:`windows`), each starting with the
     ids the tokenizer puts before any text (Gemma's BOS; none for SmolLM2), as every prompt the
-    model sees does: a base model read without its BOS loses up to 0.4 nats per token far into the
-    window. The rest of the window is ``length`` minus those ids of text."""
+    model sees does (a base model read without its BOS is out of its distribution all along the
+    window). The rest of the window is ``length`` minus those ids of text."""
     start = torch.tensor([leading_special_ids(tokenizer)], dtype=torch.long)
     stream = corpus_tokens(name, tokenizer)
     return [torch.cat([start, w], -1) for w in windows(stream, length - start.shape[1], count)]
