@@ -801,3 +801,41 @@ def test_downstream_pools_every_text_corpus_and_no_task():
     assert rows[downstream.ALL_TEXT]["nll_increase"] == pytest.approx(
         sum(range(len(CORPORA) + 1)) / (len(CORPORA) + 1)
     )
+
+
+def test_downstream_tops_up_only_the_example_it_scored(tmp_path):
+    """A log record is topped up only for the example it was scored on: by its digest, or for records
+    made before digests, by the full cache's NLL, which every run scores again."""
+    from train.downstream import FULL, score_examples
+
+    example = data.Example("code/0", "code", [1, 2, 3], [4, 5])
+    log = tmp_path / "log.jsonl"
+    kept = {"sinks": 4, "window": 16}
+    legacy = {
+        "uid": "code/0",
+        "source": "code",
+        "nll": {FULL: 1.0, "a@0.1": 1.5},
+        "policies": {},
+        "kept": kept,
+    }
+    log.write_text(json.dumps(legacy) + "\n")
+    calls = []
+
+    def score(full: float):
+        def run(example, missing):
+            calls.append(sorted(missing))
+            return {FULL: full, **{f"{name}@0.1": 2.0 for name in missing}}
+
+        return run
+
+    scorers = {"a": "a", "b": "b"}
+    with pytest.raises(ValueError, match="full cache's NLL is 1.2000 where .* recorded 1.0000"):
+        score_examples(log, [example], {}, kept, scorers, [0.1], score(1.2), "test")
+    (record,) = score_examples(log, [example], {}, kept, scorers, [0.1], score(1.0), "test")
+    assert record["nll"] == {FULL: 1.0, "a@0.1": 1.5, "b@0.1": 2.0} and calls[-1] == ["b"]
+    assert record["ids_sha256"] == data.ids_digest([1, 2, 3, 4, 5])
+    calls.clear()
+    other = data.Example("code/0", "code", [1, 2, 3], [4, 6])
+    with pytest.raises(ValueError, match="scored another code/0 than the one rebuilt now"):
+        score_examples(log, [other], {}, kept, {**scorers, "c": "c"}, [0.1], score(1.0), "test")
+    assert calls == []  # refused before any work

@@ -222,6 +222,16 @@ def text_examples(
     return examples
 
 
+def ids_digest(ids: list[int]) -> str:
+    """sha256 of a token sequence: what a rebuilt sequence must match (every prompt has one length)."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+
+
+def example_digest(example: Example) -> str:
+    """:func:`ids_digest` of everything an example feeds the model: prompt, question and future."""
+    return ids_digest(example.prompt_ids + example.question_ids + (example.future_ids or []))
+
+
 def split_examples(examples: list[Example], val_fraction: float, seed: int) -> dict[str, list[Example]]:
     """Split into ``{"train": [...], "val": [...]}`` (order within a split kept).
 

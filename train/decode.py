@@ -25,7 +25,6 @@ progress and prints its size on disk and its tracing time.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 from dataclasses import asdict, dataclass, field, replace
@@ -160,11 +159,6 @@ def sample_continuation(
     return out[0, len(prompt_ids) :].tolist()
 
 
-def ids_digest(ids: list[int]) -> str:
-    """sha256 of a token sequence: what a rebuilt sequence must match (every prompt has one length)."""
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
-
-
 def stored_evictions(evictions: list[int], most: int) -> list[int]:
     """Up to ``most`` of the schedule's evictions, spread evenly, first and last kept (0: all)."""
     if not most or len(evictions) <= most:
@@ -195,7 +189,7 @@ def trace_decode_example(
     record = {
         "uid": example.uid,
         "source": example.source,
-        "ids_sha256": ids_digest(prompt + continuation),
+        "ids_sha256": data.ids_digest(prompt + continuation),
         "prompt_tokens": len(prompt),
         "future_tokens": len(continuation),
         "evictions": kept,

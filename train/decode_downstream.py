@@ -30,8 +30,8 @@ from kvp_cache import KVPCache
 from kvp_cache.models import load_model
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
-from train.data import Example
-from train.decode import DecodeCollectConfig, decode_examples, ids_digest
+from train.data import Example, ids_digest
+from train.decode import DecodeCollectConfig, decode_examples
 from train.downstream import FULL, score_examples, write_summary
 from train.evaluate import parse_policies
 from train.traces import TraceSplit

@@ -39,7 +39,7 @@ from kvp_cache.scorers import make_scorer
 from kvp_cache.tables import markdown_table
 from train.collect import recorded_config, split_collection
 from train.corpora import CORPORA
-from train.data import Example
+from train.data import Example, example_digest
 from train.decode import SAMPLED
 from train.evaluate import parse_policies
 from train.traces import TraceSplit
@@ -286,6 +286,11 @@ def run_downstream(config: DownstreamConfig, model=None, tokenizer=None) -> dict
     return write_summary(stem, records, list(scorers), config.budgets, head, intro)
 
 
+SAME_NLL = 1e-3
+"""How far the full cache's NLL of one example may move between runs (threads, float noise)."""
+ANOTHER_EXAMPLE = "rebuild the examples as that run did (its commit and working directory) or use a new --out"
+
+
 def score_examples(
     log: Path,
     examples: list[Example],
@@ -298,18 +303,36 @@ def score_examples(
 ) -> list[dict]:
     """Each example's record, in order: read from the JSONL ``log``, and what it lacks (see
     :func:`still_to_score`) scored by ``score(example, missing scorers) -> {key: nll}`` and appended
-    to the log as each example finishes."""
+    to the log as each example finishes.
+
+    A record tops up only the example it was scored on: records name it by :func:`example_digest`,
+    and for records made before that, the full cache's NLL (scored again each time) must repeat.
+    Otherwise the rebuilt example differs (its corpus changed, say), and mixing the two would be
+    silently wrong, so this raises.
+    """
     done = logged_records(log)
     for example in tqdm(examples, desc=desc, unit="example"):
         kept_nll, missing, old = still_to_score(done.get(example.uid, {}), weights, kept, scorers, budgets)
         if missing is None:
             continue
+        digest = example_digest(example)
+        if old.get("ids_sha256", digest) != digest:
+            raise ValueError(
+                f"{log} scored another {example.uid} than the one rebuilt now; {ANOTHER_EXAMPLE}"
+            )
+        scored = score(example, missing)
+        if FULL in kept_nll and abs(kept_nll[FULL] - scored[FULL]) > SAME_NLL:
+            raise ValueError(
+                f"{example.uid}: the full cache's NLL is {scored[FULL]:.4f} where {log} recorded "
+                f"{kept_nll[FULL]:.4f}: it scored another example than the one rebuilt now; {ANOTHER_EXAMPLE}"
+            )
         record = {
             "uid": example.uid,
             "source": example.source,
+            "ids_sha256": digest,
             "prompt_tokens": len(example.prompt_ids),
             "future_tokens": len(example.question_ids) + len(example.future_ids or []),
-            "nll": {**kept_nll, **score(example, missing)},
+            "nll": {**kept_nll, **scored},
             "policies": {**old["policies"], **weights},
             "kept": kept,
         }
