@@ -704,37 +704,43 @@ def compare_tables(summaries: dict[str, dict], against: str | None = None) -> st
 
 
 def versus_table(summaries: dict[str, dict], against: str, budgets: list[Budget]) -> str:
-    """Each summary's ``layer`` and ``head`` text NLL minus summary ``against``'s, paired on the
-    windows both measured (same uid and tokens; bootstrap 95% CI)."""
+    """Each summary's text NLL and needle accuracy under every allocation minus summary ``against``'s,
+    paired on the examples both measured (same uid and tokens; bootstrap 95% CI): other scores,
+    or another policy, on the same data."""
     if against not in summaries:
         raise ValueError(f"--against must be one of the labels {sorted(summaries)}, got {against!r}")
 
-    def windows(result: dict) -> dict[tuple[str, str], dict]:
-        return {(r["uid"], r["tokens"]): r for r in result["records"] if r["protocol"] == PERPLEXITY}
+    def examples(result: dict, protocol: str) -> dict[tuple[str, str], dict]:
+        return {(r["uid"], r["tokens"]): r for r in result["records"] if r["protocol"] == protocol}
 
-    reference = windows(summaries[against])
+    protocols = [PERPLEXITY, *summaries[against]["config"]["protocols"]]
     body = []
     for label, result in summaries.items():
-        shared = [(r, reference[key]) for key, r in windows(result).items() if key in reference]
-        if label == against or not shared:
-            continue
-        for mode in ("layer", "head"):
-            cells = []
-            for b in budgets:
-                key = budget_key(mode, b)
-                cells.append(
-                    cell(
-                        {
-                            "metric": "nll",
-                            "mode": mode,
-                            **mean_row([r["nll"][key] - o["nll"][key] for r, o in shared], True),
-                        }
+        for protocol in protocols if label != against else []:
+            reference = examples(summaries[against], protocol)
+            shared = [
+                (r, reference[key]) for key, r in examples(result, protocol).items() if key in reference
+            ]
+            metric = "nll" if protocol == PERPLEXITY else "scores"
+            for mode in MODES if shared else []:
+                cells = []
+                for b in budgets:
+                    key = budget_key(mode, b)
+                    if key not in shared[0][0][metric]:
+                        cells.append("-")
+                        continue
+                    values = [r[metric][key] - o[metric][key] for r, o in shared]
+                    cells.append(
+                        cell({"metric": metric, "mode": mode, "against": against, **mean_row(values, True)})
                     )
+                what = "NLL" if metric == "nll" else "accuracy"
+                body.append(
+                    [f"{label} (n={len(shared)})", f"{protocol} {what}: {mode} − {against} {mode}", *cells]
                 )
-            body.append([f"{label} (n={len(shared)})", f"{mode} − {against} {mode}", *cells])
     return "\n".join(
         [
-            f"## Paired against `{against}`: the same allocation driven by other scores, on the shared windows",
+            f"## Paired against `{against}`: each allocation driven by other scores or another policy, on the "
+            "shared examples (text NLL: negative loses less; accuracy: positive answers more)",
             "",
             markdown_table(["scores", "difference", *[f"@{b:g}" for b in budgets]], body),
         ]
