@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import itertools
 import json
 import sys
 import time
@@ -714,29 +715,30 @@ def versus_table(summaries: dict[str, dict], against: str, budgets: list[Budget]
         return {(r["uid"], r["tokens"]): r for r in result["records"] if r["protocol"] == protocol}
 
     protocols = [PERPLEXITY, *summaries[against]["config"]["protocols"]]
+    references = {protocol: examples(summaries[against], protocol) for protocol in protocols}
+    others = {label: result for label, result in summaries.items() if label != against}
     body = []
-    for label, result in summaries.items():
-        for protocol in protocols if label != against else []:
-            reference = examples(summaries[against], protocol)
-            shared = [
-                (r, reference[key]) for key, r in examples(result, protocol).items() if key in reference
-            ]
-            metric = "nll" if protocol == PERPLEXITY else "scores"
-            for mode in MODES if shared else []:
-                cells = []
-                for b in budgets:
-                    key = budget_key(mode, b)
-                    if key not in shared[0][0][metric]:
-                        cells.append("-")
-                        continue
-                    values = [r[metric][key] - o[metric][key] for r, o in shared]
-                    cells.append(
-                        cell({"metric": metric, "mode": mode, "against": against, **mean_row(values, True)})
-                    )
-                what = "NLL" if metric == "nll" else "accuracy"
-                body.append(
-                    [f"{label} (n={len(shared)})", f"{protocol} {what}: {mode} − {against} {mode}", *cells]
+    for (label, result), protocol in itertools.product(others.items(), protocols):
+        reference = references[protocol]
+        shared = [(r, reference[key]) for key, r in examples(result, protocol).items() if key in reference]
+        if not shared:
+            continue
+        metric = "nll" if protocol == PERPLEXITY else "scores"
+        what = "NLL" if metric == "nll" else "accuracy"
+        for mode in MODES:
+            cells = []
+            for b in budgets:
+                key = budget_key(mode, b)
+                if key not in shared[0][0][metric]:  # needles are measured at fewer budgets
+                    cells.append("-")
+                    continue
+                values = [r[metric][key] - o[metric][key] for r, o in shared]
+                cells.append(
+                    cell({"metric": metric, "mode": mode, "against": against, **mean_row(values, True)})
                 )
+            body.append(
+                [f"{label} (n={len(shared)})", f"{protocol} {what}: {mode} − {against} {mode}", *cells]
+            )
     return "\n".join(
         [
             f"## Paired against `{against}`: each allocation driven by other scores or another policy, on the "

@@ -30,7 +30,7 @@ from kvp_cache import KVPCache
 from kvp_cache.models import load_model
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
-from train.data import Example, ids_digest
+from train.data import Example, example_digest
 from train.decode import DecodeCollectConfig, decode_examples
 from train.downstream import FULL, score_examples, write_summary
 from train.evaluate import parse_policies
@@ -103,7 +103,7 @@ def traced_identically(example: Example | None, record: dict) -> bool:
     if example is None or len(example.prompt_ids) != record["prompt_tokens"]:
         return False
     recorded = record.get("ids_sha256")
-    return recorded is None or recorded == ids_digest(example.prompt_ids + example.future_ids)
+    return recorded is None or recorded == example_digest(example)
 
 
 @torch.no_grad()
