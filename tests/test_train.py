@@ -3,11 +3,13 @@ evaluate, and resumability. Tiny random models and synthetic traces only (second
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import itertools
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -462,6 +464,53 @@ def test_supervised_objectives_learn(objective):
     before, _ = fit.validation_reward(agents, [pad_batch(samples)])
     history = fit.fit_layer(agents, samples, samples, config)
     assert history["best_val_reward"] > before
+
+
+def test_anchor_mixes_the_start_ranking_into_the_target_and_holds_the_fit_near_it():
+    from train.reward import normalized
+    from train.traces import LayerSample
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(8, 2, 40, 8), torch.randn(8, 2, 40, 8)
+    # The new data asks for the reverse of what the start weights learn below.
+    samples = [
+        LayerSample(keys[i], values[i], torch.exp(-3 * keys[i, ..., 0]), {}, f"s/{i}", "synthetic")
+        for i in range(8)
+    ]
+    start = HeadAgents(2, 8, 16, 4, 64, 2, "clamp")
+    start_samples = [replace(s, importance=torch.exp(3 * s.keys[..., 0])) for s in samples]
+    config = fit.FitConfig(
+        "", "", objective="listnet", steps=40, warmup=2, lr=1e-2, eval_every=10, ema_decay=0.9
+    )
+    fit.fit_layer(start, start_samples, start_samples, config)
+    start.requires_grad_(False)
+
+    batch = pad_batch(samples)
+    seen = {}
+
+    def capture(agents, batch, generator):
+        seen["importance"] = batch.importance
+        return torch.zeros(()), None
+
+    fit.anchored(capture, start, 0.25)(start, batch, torch.Generator())
+    valid = batch.valid[:, None, :].expand_as(batch.importance)
+    expected = 0.75 * normalized(batch.importance, valid) + 0.25 * batch.scores(start).softmax(-1)
+    assert torch.allclose(seen["importance"], expected)
+    assert torch.allclose(seen["importance"].sum(-1), torch.ones(8, 2))
+
+    def drift(weight):
+        agents = copy.deepcopy(start).requires_grad_(True)
+        objective = fit.anchored(fit.make_objective(config), start, weight)
+        fit.fit_layer(agents, samples, samples, config, objective=objective)
+        with torch.no_grad():
+            kept, moved = batch.scores(start).log_softmax(-1), batch.scores(agents).log_softmax(-1)
+            return (kept.exp() * (kept - moved)).sum(-1).mean().item()  # KL(start || tuned)
+
+    assert drift(0.9) < 0.5 * drift(0.0)
+    with pytest.raises(ValueError, match="anchor must be in"):
+        fit.FitConfig("", "", anchor=1.0, init_from="x").validate()
+    with pytest.raises(ValueError, match="needs --init-from"):
+        fit.FitConfig("", "", anchor=0.5).validate()
 
 
 def test_evaluate_writes_table_json_png(traces, tmp_path, llama):

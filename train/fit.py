@@ -10,6 +10,10 @@ Per layer, all KV heads train together as one batched ``HeadAgents``:
   the validation traces by deterministic argsort; the best EMA weights are kept.
 
 ``--init-from`` starts from a trained policy's weights (RL fine-tuning of the ListNet policy).
+``--anchor a`` keeps the fine-tune near where it started: the objective sees the target ``(1 - a) *``
+each ranked token's share of the importance ``+ a * softmax(start scores)``, the starting policy's
+own ranking distribution (ListNet trains ``softmax(scores)`` to match that share). Validation keeps
+the plain target, so the kept step is the one that ranks the new data best.
 A finished layer is saved to ``<out>/layers/`` and skipped when the command runs again; the final
 :class:`KVPolicy` is written with ``save_pretrained`` to ``<out>/policy``, and the validation curves
 of every layer to ``<out>/training_curves.png``.
@@ -41,7 +45,7 @@ from kvp_cache.policy import POSITION_STRATEGIES, HeadAgents, KVPolicy, load_pol
 from kvp_cache.provenance import portable_command
 from train import plots, rl, supervised
 from train.batch import Batch, pad_batch
-from train.reward import rank_by_scores, ranking_reward
+from train.reward import normalized, rank_by_scores, ranking_reward
 from train.targets import TARGETS, target
 from train.traces import LayerSample, TraceSplit, traced_layers
 
@@ -77,6 +81,7 @@ class FitConfig:
     num_mlp_layers: int = 2
     position_strategy: str = "clamp"
     init_from: str | None = None
+    anchor: float = 0.0
     sinks: int = 4
     window: int = 16
     layers: list[int] | None = None
@@ -108,6 +113,10 @@ class FitConfig:
             raise ValueError("rl needs batch_size >= 2 or permutations >= 2 for the leave-one-out baseline")
         if not 0 <= self.warmup < self.steps:
             raise ValueError(f"warmup must be in [0, steps), got {self.warmup}")
+        if not 0.0 <= self.anchor < 1.0:
+            raise ValueError(f"anchor must be in [0, 1), got {self.anchor}")
+        if self.anchor > 0 and self.init_from is None:
+            raise ValueError("anchor > 0 keeps the fit near its start weights: it needs --init-from")
         if self.sinks < 0 or self.window < 0:
             raise ValueError(f"sinks and window must be >= 0, got {self.sinks} and {self.window}")
 
@@ -119,6 +128,19 @@ def make_objective(config: FitConfig) -> Objective:
             rl.reinforce_loss, advantage_clip=config.advantage_clip, permutations=config.permutations
         )
     return functools.partial(supervised.supervised_objective, supervised.LOSSES[config.objective])
+
+
+def anchored(objective: Objective, start: HeadAgents, weight: float) -> Objective:
+    """``objective`` on the target mixed with ``start``'s ranking distribution (see ``--anchor``)."""
+
+    def run(agents: HeadAgents, batch: Batch, generator: torch.Generator):
+        valid = batch.valid[:, None, :].expand_as(batch.importance)
+        with torch.no_grad():
+            start_share = batch.scores(start).softmax(-1)  # -inf where not ranked: share 0
+        mixed = (1.0 - weight) * normalized(batch.importance, valid) + weight * start_share
+        return objective(agents, replace(batch, importance=mixed), generator)
+
+    return run
 
 
 # ---------------------------------------------------------------- one layer
@@ -223,7 +245,12 @@ def prepare_run_dir(config: FitConfig, state: PartialState) -> Path:
     settings_file = out / "fit.json"
     if state.is_main_process:
         (out / "layers").mkdir(parents=True, exist_ok=True)
-        if settings_file.exists() and json.loads(settings_file.read_text()) != settings:
+        # A run written before a setting existed holds that setting's default.
+        defaults = asdict(FitConfig(traces=config.traces, out=config.out))
+        if settings_file.exists() and {**defaults, **json.loads(settings_file.read_text())} != {
+            **defaults,
+            **settings,
+        }:
             raise ValueError(
                 f"{out} holds layers trained with other settings ({settings_file}); use a new --out"
             )
@@ -286,6 +313,11 @@ def train_layers(
             continue
         torch.manual_seed(config.seed * 1000 + layer)
         agents = policy.agents_for(layer).to(state.device)
+        if config.anchor > 0:
+            start = copy.deepcopy(agents).requires_grad_(False)
+            layer_objective = anchored(objective, start, config.anchor)
+        else:
+            layer_objective = objective
         started = time.time()
         history = fit_layer(
             agents,
@@ -293,7 +325,7 @@ def train_layers(
             layer_samples(val, layer, config),
             config,
             f"layer {layer}",
-            objective,
+            layer_objective,
         )
         history.update(seconds=round(time.time() - started, 1), process=state.process_index)
         save_file({k: v.detach().cpu().contiguous() for k, v in agents.state_dict().items()}, str(weights))
@@ -388,6 +420,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--init-from", default=None, help="start from this policy's weights (dir or shipped name)"
+    )
+    parser.add_argument(
+        "--anchor",
+        type=float,
+        default=defaults.anchor,
+        help="weight in [0, 1) of the --init-from policy's own ranking in the training target (0: off)",
     )
     parser.add_argument("--layers", type=int, nargs="*", default=None, help="train only these layers")
     joined = "a split name, or several joined with '+' (train+train_native)"
