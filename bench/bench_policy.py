@@ -7,7 +7,9 @@ initialised ``KVPolicy`` of each ``--hidden-dim`` (the cost depends on the shape
 machine slows both alike; the medians are printed with their ratio, plus parameter count and
 weights size (fp32, and the saved model.safetensors). The whole compression with the trained
 policy at ``--budget`` is timed too, for each allocation (``KVPCache.from_prefill``: scoring, the
-uniform top-k or the cross-head allocation, and the gather of the kept entries).
+uniform top-k or the cross-head allocation, and the gather of the kept entries). One more,
+profiled scoring pass splits the trained policy's time into its matrix products and the rest
+(norms, SiLU, gathers: passes over ``[heads, seq, hidden]``), and gives its GFLOP/s.
 
     .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 \
         [--json bench/results/policy_smollm2.json]
@@ -22,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +40,7 @@ from kvp_cache.prefill import prefill as prefill_prompt
 from kvp_cache.provenance import provenance
 
 ALLOCATIONS = ("uniform", "layer", "head")
+MATMULS = {"aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm"}
 
 
 def parse_args() -> argparse.Namespace:
@@ -67,6 +71,16 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def matmul_share(score: Callable[[], None]) -> tuple[float, float]:
+    """(share of ``score``'s CPU time spent in matrix products, their GFLOP), from one profiled call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+        score()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    matmul = [e for e in events if e.key in MATMULS]
+    return sum(e.self_cpu_time_total for e in matmul) / total, sum(e.flops for e in matmul) / 1e9
 
 
 def saved_size(policy: KVPolicy) -> int:
@@ -157,6 +171,14 @@ def main() -> None:
             f"{label:>14} {params:>10,} {params * 4 / 1e6:>8.2f} {rows[-1]['file_bytes'] / 1e6:>8.2f} "
             f"{policy_s * 1e3:>10.1f} {policy_s / prefill_s:>14.2%}"
         )
+    trained_label = next(iter(policies))
+    share, gflop = matmul_share(lambda: score_all(trained))
+    trained_ms = rows[0]["policy_ms"]
+    profile = {"matmul_share": share, "matmul_gflop": gflop, "gflop_per_s": gflop / (trained_ms / 1e3)}
+    print(
+        f"{trained_label}: matrix products are {share:.0%} of the scoring time (profiled), "
+        f"{gflop:.2f} GFLOP in all, {profile['gflop_per_s']:.0f} GFLOP/s over the median scoring time"
+    )
     print(
         f"\nWhole compression with the trained policy at budget {args.budget} (scoring + selection + gather):"
     )
@@ -177,6 +199,7 @@ def main() -> None:
             "provenance": provenance("smollm2", model.dtype, model.device, trained, command=sys.argv),
             "settings": settings | {"prefill_ms": prefill_s * 1e3, "load_average": os.getloadavg()[0]},
             "rows": rows,
+            "scoring_profile": profile,
             "compression": compression,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)

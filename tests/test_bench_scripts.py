@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,14 @@ import pytest
 import torch
 
 BENCH = sorted((Path(__file__).resolve().parent.parent / "bench").glob("bench_*.py"))
+
+
+def load_bench(name: str):
+    """The script ``bench/<name>.py`` as a module (bench/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH[0].parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("script", BENCH, ids=lambda p: p.name)
@@ -24,14 +33,10 @@ def test_bench_script_imports_and_parses_its_arguments(script, tmp_path):
 def test_bench_decode_times_the_scoring_of_decoded_tokens(llama):
     """The scoring share counts the scorer's calls while decoding, every decoded token once, and
     puts the scorer's own method back afterwards."""
-    import importlib.util
-
     from kvp_cache import KVPCache, KVPolicy
     from kvp_cache.targets import eviction_points
 
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH[0].parent / "bench_decode.py")
-    bench_decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_decode)
+    bench_decode = load_bench("bench_decode")
     policy = KVPolicy.for_model(llama, hidden_dim=16, pos_dim=8, max_positions=64)
     cache = KVPCache(llama, policy=policy, budget=1.0, max_cache_tokens=32, evict_every=8)
     prompt = torch.randint(0, llama.config.vocab_size, (1, 24))
@@ -44,3 +49,12 @@ def test_bench_decode_times_the_scoring_of_decoded_tokens(llama):
     assert "score" not in vars(cache.settings.scorer)
     full = bench_decode.decode_run(llama, bench_decode.make_cache(llama, "full", None, 8, ""), prompt, 8, "t")
     assert full["scoring_share"] == 0 and full["scored_entries"] == 0
+
+
+def test_bench_policy_splits_scoring_time_into_matrix_products_and_the_rest():
+    bench_policy = load_bench("bench_policy")
+    a, b, x = torch.randn(2, 64, 32), torch.randn(2, 32, 16), torch.randn(256, 256)
+    share, gflop = bench_policy.matmul_share(lambda: torch.bmm(a, b))
+    assert share > 0.5 and gflop == pytest.approx(2 * 2 * 64 * 32 * 16 / 1e9)
+    share, gflop = bench_policy.matmul_share(lambda: torch.nn.functional.silu(x).mul(2))
+    assert share == 0.0 and gflop == 0.0
