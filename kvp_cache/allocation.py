@@ -137,6 +137,7 @@ def head_counts(
         [
             # Candidates stay finite and above every non-candidate, even where a score is -inf.
             s.float()
+            .nan_to_num(nan=-math.inf)
             .clamp(min=torch.finfo(torch.float32).min)
             .masked_fill((r < f[..., None]) | (r >= a[..., None]), -math.inf)
             .flatten(1)
@@ -144,9 +145,7 @@ def head_counts(
         ],
         dim=1,
     )
-    order = candidates.argsort(dim=-1, descending=True, stable=True)
-    chosen = torch.zeros_like(candidates, dtype=torch.bool)
-    chosen.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device) < need[:, None])
+    chosen = largest(candidates, need)
     counts, start = [], 0
     for s, f in zip(scores, floors, strict=True):
         size = s.shape[1] * s.shape[2]
@@ -155,6 +154,19 @@ def head_counts(
     if mode == "layer":
         counts = [_even_split(s, r, c) for s, r, c in zip(scores, ranks, counts, strict=True)]
     return counts
+
+
+def largest(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """bool ``[batch, n]``: the ``counts[row]`` largest of each row of ``values`` ``[batch, n]``, ties
+    going to the lower index (what a stable descending sort takes first). One ``topk`` finds each
+    row's threshold: on a 4K prompt's 90 heads it costs a fraction of sorting every entry."""
+    k = int(counts.max()) if counts.numel() else 0
+    if k == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    threshold = values.topk(k, dim=-1).values.gather(-1, (counts[:, None] - 1).clamp(min=0))
+    above, tied = values > threshold, values == threshold
+    room = counts[:, None] - above.sum(-1, keepdim=True)
+    return (above | (tied & (tied.cumsum(-1) <= room))) & (counts[:, None] > 0)
 
 
 def _check_scores(scores: dict[int, torch.Tensor]) -> int:

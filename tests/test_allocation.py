@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, allocate
+from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, allocate, largest
 
 
 def random_scores(layers=3, heads=2, tokens=64, seed=0) -> dict[int, torch.Tensor]:
@@ -116,3 +116,16 @@ def test_errors_name_the_parameter():
         allocate({0: torch.rand(10)}, 0.5)
     with pytest.raises(ValueError, match="window_tokens must be an int >= 0"):
         allocate(scores, 0.5, window_tokens=-1)
+
+
+def test_largest_takes_what_a_stable_descending_sort_takes_first():
+    generator = torch.Generator().manual_seed(0)
+    # Few distinct values, so most thresholds fall inside a run of ties; one row of -inf padding.
+    values = torch.randint(0, 6, (5, 40), generator=generator).float()
+    values[4, 30:] = -math.inf
+    counts = torch.tensor([0, 1, 17, 40, 30])
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    expected = torch.zeros_like(values, dtype=torch.bool)
+    expected.scatter_(-1, order, torch.arange(40) < counts[:, None])
+    assert torch.equal(largest(values, counts), expected)
+    assert not largest(values, torch.zeros(5, dtype=torch.long)).any()
