@@ -325,3 +325,39 @@ def test_windows_come_from_one_side_of_the_document_split(held_out, monkeypatch)
     assert len(windows) == 2 and all(len(w.prompt_ids) == 16 and len(w.future_ids) == 4 for w in windows)
     assert seen["kept"] == [held == held_out for held in seen["held"]]
     assert any(seen["held"]) and not all(seen["held"])
+
+
+def test_calibrate_runs_end_to_end_on_prompts_that_start_with_a_bos(tmp_path, monkeypatch):
+    """A base model's tokenizer adds <bos> (Gemma 3): each prompt is context_tokens + 1 entries, and
+    the fit, the check and the calibrated policies follow the measured length."""
+    model = tiny_model("llama")
+    tiny_policy(model).save_pretrained(tmp_path / "policy")
+
+    class BosTokenizer:
+        eos_token_id, bos_token_id = 0, 2
+
+        def __call__(self, text, add_special_tokens=True):
+            words = [3 + len(word) % 50 for word in text.split()]
+            return {"input_ids": ([2] if add_special_tokens else []) + words}
+
+    def documents(name, seed, max_chars, essays_dir=None, keep=None):
+        texts = [" ".join(f"w{i}x{j % 17}" for j in range(300)) for i in range(40)]
+        return [text for text in texts if keep(text)]
+
+    monkeypatch.setattr(calibrate, "documents", documents)
+    config = calibrate.CalibrateConfig(
+        model="tiny",
+        policy=str(tmp_path / "policy"),
+        out=str(tmp_path / "out"),
+        windows={"code": 4},
+        context_tokens=32,
+        continuation_tokens=8,
+        check_fraction=0.5,
+        steps=5,
+        budgets=[0.25],
+    )
+    result = calibrate.calibrate(config, model=model, tokenizer=BosTokenizer(), command=["test"])
+    assert set(result["variants"]) == set(calibrate.VARIANTS)
+    assert all(0 <= v <= 1 for cells in result["lost_attention"].values() for v in cells.values())
+    calibrated = load_policy(tmp_path / "out" / "policy-tau_w")
+    assert calibrated.calibration is not None

@@ -318,9 +318,9 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
     scores, target = measured_windows(config, model, policy, examples)
     measure_seconds = time.perf_counter() - start
     fit_at, check_at = split_windows(examples, config.check_fraction)
-    evictable = (
-        evictable_only(torch.ones(1, config.context_tokens), config.sink_tokens, config.window_tokens)[0] > 0
-    )
+    # The measured prompts: context_tokens plus the tokenizer's leading ids (Gemma's <bos>).
+    prompt_tokens = scores.shape[-1]
+    evictable = evictable_only(torch.ones(1, prompt_tokens), config.sink_tokens, config.window_tokens)[0] > 0
     layers = evicting_layer_indices(model.config)
     drivers = {ORACLE: target[check_at], SOFTMAX: scores[check_at].softmax(-1)}
     variants = {}
