@@ -649,9 +649,11 @@ def compare_tables(summaries: dict[str, dict], against: str | None = None) -> st
         ]
     full = first["rows"][[_text_all(r) and r["mode"] == FULL for r in first["rows"]].index(True)]
     layers = first["evicting_layers"]
-    third = max(3, len(layers) // 3)
-    spans = [(f"layers {layers[3]}-{layers[third]} (mean)", slice(3, third + 1))]
-    spans.append((f"layers {layers[third + 1]}-{layers[-1]} (mean)", slice(third + 1, None)))
+    # The first three layers one by one, the rest in up to two means (Gemma 3 270M evicts on 3 only).
+    third = min(max(3, len(layers) // 3), len(layers) - 1)
+    spans = [(f"layers {layers[3]}-{layers[third]} (mean)", slice(3, third + 1))] if len(layers) > 3 else []
+    if third + 1 < len(layers):
+        spans.append((f"layers {layers[third + 1]}-{layers[-1]} (mean)", slice(third + 1, None)))
     share = [
         [label, f"{float(b):g}", ", ".join(f"{v:.3f}" for v in values[:3])]
         + [f"{sum(values[part]) / len(values[part]):.3f}" for _, part in spans]

@@ -20,6 +20,7 @@ from eval.headroom import (
     SCORE_KINDS,
     SCORER_OF,
     HeadroomConfig,
+    compare_tables,
     entry_scores,
     future_nll,
     main,
@@ -142,9 +143,9 @@ def test_every_score_kind_scores_every_evicting_head():
         torch.testing.assert_close(values.sum(-1), torch.full((heads,), 3.0))  # the weight, not 1
 
 
-def fake_summary(shift: float) -> dict:
-    """A summary of 4 made-up text windows: every allocation's NLL is the full cache's plus a known
-    amount, ``head`` ``shift`` below ``uniform``."""
+def fake_summary(shift: float, layers: int = 30) -> dict:
+    """A summary of 4 made-up text windows over ``layers`` evicting layers: every allocation's NLL is
+    the full cache's plus a known amount, ``head`` ``shift`` below ``uniform``."""
     config = HeadroomConfig(windows={"code": 4}, samples=0, text_budgets=[0.05, 0.1])
     records = [
         {
@@ -158,13 +159,13 @@ def fake_summary(shift: float) -> dict:
                 for mode in MODES
                 for b in (0.05, 0.1)
             },
-            "head_layer_share": {"0.05": [0.1] * 30, "0.1": [0.2] * 3 + [0.05] * 27},
+            "head_layer_share": {"0.05": [0.1] * layers, "0.1": [0.2] * 3 + [0.05] * (layers - 3)},
         }
         for i in range(4)
     ]
     return {
         "config": portable_config(config),
-        "evicting_layers": list(range(30)),
+        "evicting_layers": list(range(layers)),
         **summarize(records, config),
         "records": records,
     }
@@ -207,6 +208,12 @@ def test_compare_rewrites_only_the_generated_tables(tmp_path):
     report.write_text("no block\n")
     with pytest.raises(ValueError, match="has no generated block"):
         main(["--report", str(report), "--compare", f"one={paths['one']}"])
+
+
+def test_compare_lists_every_layer_of_a_model_that_evicts_on_three():
+    text = compare_tables({"one": fake_summary(0.03, layers=3), "two": fake_summary(0.0, layers=3)}, "one")
+    assert "| scores | budget | layer 0, layer 1, layer 2 |" in text
+    assert "| one | 0.1 | 0.200, 0.200, 0.200 |" in text
 
 
 @pytest.mark.parametrize("kind", ["kvp", "snapkv"])
