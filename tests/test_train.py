@@ -486,22 +486,15 @@ def test_anchor_mixes_the_start_ranking_into_the_target_and_holds_the_fit_near_i
     start.requires_grad_(False)
 
     batch = pad_batch(samples)
-    seen = {}
-
-    def capture(agents, batch, generator):
-        seen["importance"] = batch.importance
-        return torch.zeros(()), None
-
-    fit.anchored(capture, start, 0.25)(start, batch, torch.Generator())
+    mixed = torch.stack([s.importance for s in fit.anchored(samples, start, 0.25)])
     valid = batch.valid[:, None, :].expand_as(batch.importance)
     expected = 0.75 * normalized(batch.importance, valid) + 0.25 * batch.scores(start).softmax(-1)
-    assert torch.allclose(seen["importance"], expected)
-    assert torch.allclose(seen["importance"].sum(-1), torch.ones(8, 2))
+    assert torch.allclose(mixed, expected)
+    assert torch.allclose(mixed.sum(-1), torch.ones(8, 2))
 
     def drift(weight):
         agents = copy.deepcopy(start).requires_grad_(True)
-        objective = fit.anchored(fit.make_objective(config), start, weight)
-        fit.fit_layer(agents, samples, samples, config, objective=objective)
+        fit.fit_layer(agents, fit.anchored(samples, start, weight), samples, config)
         with torch.no_grad():
             kept, moved = batch.scores(start).log_softmax(-1), batch.scores(agents).log_softmax(-1)
             return (kept.exp() * (kept - moved)).sum(-1).mean().item()  # KL(start || tuned)
@@ -511,6 +504,20 @@ def test_anchor_mixes_the_start_ranking_into_the_target_and_holds_the_fit_near_i
         fit.FitConfig("", "", anchor=1.0, init_from="x").validate()
     with pytest.raises(ValueError, match="needs --init-from"):
         fit.FitConfig("", "", anchor=0.5).validate()
+
+
+def test_a_run_dir_written_before_a_setting_existed_resumes_with_its_default(tmp_path):
+    from accelerate import PartialState
+
+    config = fit.FitConfig(traces="t", out=str(tmp_path / "run"), init_from="x")
+    fit.prepare_run_dir(config, PartialState(cpu=True))
+    settings = json.loads((tmp_path / "run" / "fit.json").read_text())
+    del settings["anchor"]  # as written before --anchor existed
+    (tmp_path / "run" / "fit.json").write_text(json.dumps(settings))
+    fit.prepare_run_dir(config, PartialState(cpu=True))
+    (tmp_path / "run" / "fit.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="other settings"):
+        fit.prepare_run_dir(replace(config, anchor=0.5), PartialState(cpu=True))
 
 
 def test_evaluate_writes_table_json_png(traces, tmp_path, llama):

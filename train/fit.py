@@ -130,17 +130,19 @@ def make_objective(config: FitConfig) -> Objective:
     return functools.partial(supervised.supervised_objective, supervised.LOSSES[config.objective])
 
 
-def anchored(objective: Objective, start: HeadAgents, weight: float) -> Objective:
-    """``objective`` on the target mixed with ``start``'s ranking distribution (see ``--anchor``)."""
+@torch.no_grad()
+def anchored(samples: list[LayerSample], start: HeadAgents, weight: float) -> list[LayerSample]:
+    """``samples`` with their target mixed with ``start``'s ranking distribution (see ``--anchor``).
 
-    def run(agents: HeadAgents, batch: Batch, generator: torch.Generator):
+    The start agents are frozen, so each sample's share is computed once, not at every step."""
+    mixed = []
+    for sample in samples:
+        batch = pad_batch([sample])
         valid = batch.valid[:, None, :].expand_as(batch.importance)
-        with torch.no_grad():
-            start_share = batch.scores(start).softmax(-1)  # -inf where not ranked: share 0
-        mixed = (1.0 - weight) * normalized(batch.importance, valid) + weight * start_share
-        return objective(agents, replace(batch, importance=mixed), generator)
-
-    return run
+        start_share = batch.scores(start).softmax(-1)  # -inf where not ranked: share 0
+        target = (1.0 - weight) * normalized(batch.importance, valid) + weight * start_share
+        mixed.append(replace(sample, importance=target.view(sample.importance.shape)))
+    return mixed
 
 
 # ---------------------------------------------------------------- one layer
@@ -246,11 +248,8 @@ def prepare_run_dir(config: FitConfig, state: PartialState) -> Path:
     if state.is_main_process:
         (out / "layers").mkdir(parents=True, exist_ok=True)
         # A run written before a setting existed holds that setting's default.
-        defaults = asdict(FitConfig(traces=config.traces, out=config.out))
-        if settings_file.exists() and {**defaults, **json.loads(settings_file.read_text())} != {
-            **defaults,
-            **settings,
-        }:
+        defaults = {k: v for k, v in asdict(FitConfig(config.traces, config.out)).items() if k in settings}
+        if settings_file.exists() and {**defaults, **json.loads(settings_file.read_text())} != settings:
             raise ValueError(
                 f"{out} holds layers trained with other settings ({settings_file}); use a new --out"
             )
@@ -313,19 +312,12 @@ def train_layers(
             continue
         torch.manual_seed(config.seed * 1000 + layer)
         agents = policy.agents_for(layer).to(state.device)
-        if config.anchor > 0:
-            start = copy.deepcopy(agents).requires_grad_(False)
-            layer_objective = anchored(objective, start, config.anchor)
-        else:
-            layer_objective = objective
         started = time.time()
+        train_samples = layer_samples(train, layer, config)
+        if config.anchor > 0:
+            train_samples = anchored(train_samples, agents, config.anchor)
         history = fit_layer(
-            agents,
-            layer_samples(train, layer, config),
-            layer_samples(val, layer, config),
-            config,
-            f"layer {layer}",
-            layer_objective,
+            agents, train_samples, layer_samples(val, layer, config), config, f"layer {layer}", objective
         )
         history.update(seconds=round(time.time() - started, 1), process=state.process_index)
         save_file({k: v.detach().cpu().contiguous() for k, v in agents.state_dict().items()}, str(weights))
