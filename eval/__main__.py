@@ -1,4 +1,5 @@
-"""``python -m eval sweep|benchmark|report ...`` (see eval/sweep.py, eval/benchmark.py, docs/eval.md)."""
+"""``python -m eval sweep|benchmark|report|compare ...`` (see eval/sweep.py, eval/benchmark.py,
+eval/compare.py, docs/eval.md)."""
 
 from __future__ import annotations
 
@@ -190,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="rewrite tables, plots, headline and docs/eval.md from a benchmark.json"
     )
     report.add_argument("benchmark_json", type=Path)
+
+    compare = commands.add_parser(
+        "compare",
+        help="pair two benchmark runs' learned rows sample by sample (another policy, same samples)",
+    )
+    compare.add_argument("new", type=Path, help="benchmark output directory of the candidate policy")
+    compare.add_argument("base", type=Path, help="benchmark output directory it is compared against")
+    compare.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     return parser
 
 
@@ -272,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
 
         result = json.loads(args.benchmark_json.read_text())
         print("wrote " + ", ".join(str(p) for p in write_report(result, args.benchmark_json.parent)))
+        return 0
+    if args.command == "compare":
+        from eval.compare import main as compare
+
+        compare(args.new, args.base, args.out)
         return 0
     if args.threads is not None:
         import torch

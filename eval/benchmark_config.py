@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from eval import realtext
@@ -211,6 +211,14 @@ class BenchmarkConfig:
                 f"(shares are of {self.capped_length(protocol)} tokens)"
             )
         return caps
+
+    @classmethod
+    def from_record(cls, record: dict) -> BenchmarkConfig:
+        """The config a ``benchmark.json`` recorded: JSON spells the per-length counts' keys as
+        strings, and fields a later version dropped are left out."""
+        known = {f.name for f in fields(cls)}
+        counts = {name: {int(n): c for n, c in record[name].items()} for name in ("samples", "text_windows")}
+        return cls(**{k: v for k, v in {**record, **counts}.items() if k in known})
 
     def row_methods(self) -> list[str]:
         """The compressed rows of every cell (:func:`row_name`), the oracle's last: each method

@@ -116,7 +116,7 @@ def text_rows(
     return rows
 
 
-def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
+def needle_cells(config: BenchmarkConfig) -> Iterator[tuple]:
     """``(protocol, task, context, samples, grid, fields)`` of every needle cell: the needle protocols'
     (grid None: ``config.grid()``), then ``decode_recall``'s."""
     for context in config.contexts:
@@ -127,6 +127,22 @@ def _cells(config: BenchmarkConfig) -> Iterator[tuple]:
         for task in config.recall_tasks:
             yield (DECODE_RECALL, task, config.recall_context_tokens, config.recall_samples,
                    config.recall_grid(), config.recall_fields())  # fmt: skip
+
+
+def text_cells(config: BenchmarkConfig, fingerprint: Fingerprint) -> list[tuple]:
+    """``(protocol, length, windows, grid, reference, fields)`` of every real-text cell group, one per
+    length, its cells one per corpus: ``perplexity`` (grid None: ``config.grid()``), then ``decode``'s.
+    ``reference``: the method the others' paired differences are taken against."""
+    cells = [
+        (PERPLEXITY, n, config.text_windows[n], None, config.methods[0], None) for n in config.text_contexts
+    ]
+    if config.decode_caps:
+        reference = next(iter(config.capped_methods()), None)
+        cells.append(
+            (DECODE, config.decode_prompt_tokens, config.decode_windows, config.decode_grid(), reference,
+             config.decode_fields(fingerprint.text_windows))
+        )  # fmt: skip
+    return cells
 
 
 def with_share_of_full(rows: list[dict]) -> list[dict]:
@@ -186,7 +202,7 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
                     }
                 )
     skipped = {(e["task"], e["context_tokens"]) for e in excluded}
-    for protocol, task, context, wanted, grid, fields in _cells(config):
+    for protocol, task, context, wanted, grid, fields in needle_cells(config):
         if (task, context) in skipped and protocol != DECODE_RECALL:
             continue
         cell = {"protocol": protocol, "task": task, "context_tokens": context}
@@ -200,17 +216,8 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
     for (protocol, context), cells in pooled.items():
         if (protocol, context) not in unreported:
             rows += needle_rows(protocol, ALL, context, *pooled_records(cells))
-    text_cells = [
-        (PERPLEXITY, n, config.text_windows[n], None, config.methods[0], None) for n in config.text_contexts
-    ]
     sizes = {n: records(KV_BYTES, n).get(0, {}).get(KV_BYTES) for n in config.text_contexts}
-    if config.decode_caps:
-        reference = next(iter(config.capped_methods()), None)
-        text_cells.append(
-            (DECODE, config.decode_prompt_tokens, config.decode_windows, config.decode_grid(), reference,
-             config.decode_fields(fingerprint.text_windows))
-        )  # fmt: skip
-    for protocol, context, wanted, grid, reference, fields in text_cells:
+    for protocol, context, wanted, grid, reference, fields in text_cells(config, fingerprint):
         for name in config.corpora:
             cell = {"protocol": protocol, "corpus": name, "context_tokens": context}
             done = finished(cell, records(protocol, name, context, fields=fields), wanted, grid)

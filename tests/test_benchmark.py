@@ -1227,3 +1227,48 @@ def test_reports_of_benchmarks_before_allocations_are_unchanged(path):
     assert "allocations" not in result["config"]
     assert report_markdown(result) == (folder / "benchmark.md").read_text()
     assert headline(result) == (folder / "headline.md").read_text()
+
+
+def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpora, capsys):
+    from eval.compare import Run, compare
+
+    model, tokenizer = tiny
+    options = dict(screened_tasks=[], protocols=["question_in"], corpora=["chitchat", "kjv"], samples={256: 2},
+                   text_windows={96: 3}, methods=["knorm", "kvp"], policy="tiny")  # fmt: skip
+    runs = {}
+    for name, seed, config in (("a", 1, small_config(**options)), ("b", 2, small_config(**options)),
+                               ("other", 2, small_config(**options, seed=1))):  # fmt: skip
+        policy = saved_policy(model, seed, tmp_path / f"policy-{name}")
+        out = tmp_path / name
+        bench = Benchmark(model, tokenizer, config, out, policy)
+        bench.run()
+        header = provenance("tiny", torch.float32, "cpu", policy=policy)
+        result = benchmark_result(config, out, bench.fingerprint, header)
+        (out / "benchmark.json").write_text(json.dumps(result))
+        runs[name] = result
+    rows = compare(Run.load(tmp_path / "a"), Run.load(tmp_path / "b"))
+    assert {r["row"] for r in rows} == {"kvp@0.25", "kvp@0.5"}
+    by_cell = {(r["protocol"], r["name"], r["row"]): r for r in rows}
+    for name in ("chitchat", "kjv", ALL):
+        for budget in (0.25, 0.5):
+            row = by_cell[PERPLEXITY, name, f"kvp@{budget}"]
+            # Each side's mean is its own benchmark row; the difference is paired, sample by sample.
+            for side, result in (("new", runs["a"]), ("base", runs["b"])):
+                (own,) = [r for r in result["rows"] if r["protocol"] == PERPLEXITY and r["corpus"] == name
+                          and r["method"] == "kvp" and r["budget"] == budget]  # fmt: skip
+                assert row[side] == pytest.approx(own["score"]) and row["n"] == own["n"]
+            assert row["difference"] == pytest.approx(row["new"] - row["base"])
+            assert row["beyond"] == (row["new"] > row["base_ci95"][1])
+    needle = by_cell["question_in", ALL, "kvp@0.5"]
+    assert needle["metric"] == "accuracy" and needle["n"] == 4
+    itself = compare(Run.load(tmp_path / "a"), Run.load(tmp_path / "a"))
+    assert all(r["difference"] == 0 and not r["beyond"] for r in itself)
+    with pytest.raises(ValueError, match="different samples"):
+        compare(Run.load(tmp_path / "a"), Run.load(tmp_path / "other"))
+    with pytest.raises(FileNotFoundError, match="python -m eval benchmark"):
+        Run.load(tmp_path)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
+    written = json.loads((tmp_path / "cmp.json").read_text())
+    assert written["rows"] == json.loads(json.dumps(rows))
+    assert written["new"]["policy"]["sha256"] != written["base"]["policy"]["sha256"]
+    assert "| perplexity | all | 96 | kvp@0.5 |" in (tmp_path / "cmp.md").read_text()
