@@ -146,6 +146,8 @@ def markdown(rows: list[dict], new: Run, base: Run) -> str:
         "higher is better; text: NLL increase over the full cache, lower is better). **beyond**: NEW "
         "is past BASE's 95% interval on the losing side.",
         "",
+        f"**{sum(r['beyond'] for r in rows)} of {len(rows)} rows beyond.**",
+        "",
         "| protocol | task / corpus | length | row | n | BASE (95%) | NEW | NEW - BASE (95%) | |",
         "|---|---|---:|---|---:|---|---:|---|---|",
     ]

@@ -1271,4 +1271,6 @@ def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpor
     written = json.loads((tmp_path / "cmp.json").read_text())
     assert written["rows"] == json.loads(json.dumps(rows))
     assert written["new"]["policy"]["sha256"] != written["base"]["policy"]["sha256"]
-    assert "| perplexity | all | 96 | kvp@0.5 |" in (tmp_path / "cmp.md").read_text()
+    report = (tmp_path / "cmp.md").read_text()
+    assert "| perplexity | all | 96 | kvp@0.5 |" in report
+    assert f"**{sum(r['beyond'] for r in rows)} of {len(rows)} rows beyond.**" in report
