@@ -9,7 +9,9 @@ weights size (fp32, and the saved model.safetensors). The whole compression with
 policy at ``--budget`` is timed too, for each allocation (``KVPCache.from_prefill``: scoring, the
 uniform top-k or the cross-head allocation, and the gather of the kept entries). One more,
 profiled scoring pass splits the trained policy's time into its matrix products and the rest
-(norms, SiLU, gathers: passes over ``[heads, seq, hidden]``), and gives its GFLOP/s.
+(norms, SiLU, gathers: passes over ``[heads, seq, hidden]``), and gives its GFLOP/s. The trained
+policy cast to bfloat16 is timed beside it (scoring, and the ``head`` compression), with the share of
+the fp32 policy's kept entries it keeps at ``--budget``: what lower precision would buy, and change.
 
     .venv/bin/python bench/bench_policy.py --context-tokens 4096 --hidden-dim 16 32 \
         [--json bench/results/policy_smollm2.json]
@@ -18,7 +20,9 @@ profiled scoring pass splits the trained policy's time into its matrix products 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -83,6 +87,22 @@ def matmul_share(score: Callable[[], None]) -> tuple[float, float]:
     return sum(e.self_cpu_time_total for e in matmul) / total, sum(e.flops for e in matmul) / 1e9
 
 
+def kept_agreement(
+    reference: KVPolicy, other: KVPolicy, states: list[tuple], positions: torch.Tensor, kept: int
+) -> float:
+    """Share of the entries ``reference`` ranks in each head's top ``kept`` that ``other`` ranks there
+    too, over every KV head of ``states`` (per layer ``(keys, values)``, ``[1, kv_heads, seq, head_dim]``)."""
+    shared = 0
+    with torch.no_grad():
+        for layer_idx, (keys, values) in enumerate(states):
+            tops = [
+                p(layer_idx, keys, values, positions).topk(kept, dim=-1).indices for p in (reference, other)
+            ]
+            chosen = [torch.zeros(keys.shape[:3], dtype=torch.bool).scatter_(-1, t, True) for t in tops]
+            shared += int((chosen[0] & chosen[1]).sum())
+    return shared / (kept * sum(keys.shape[1] for keys, _ in states))
+
+
 def saved_size(policy: KVPolicy) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         policy.save_pretrained(tmp)
@@ -106,7 +126,9 @@ def main() -> None:
     states = [(layer.keys, layer.values) for layer in cache.layers]
     positions = torch.arange(args.context_tokens)[None, :]
     trained = load_policy(args.policy or default_policy(MODELS["smollm2"].model_id)).eval()
-    policies = {f"trained ({trained.hidden_dim})": trained} | {
+    trained_bf16 = copy.deepcopy(trained).to(torch.bfloat16)
+    trained_label, bf16_label = f"trained ({trained.hidden_dim})", f"trained ({trained.hidden_dim}) bf16"
+    policies = {trained_label: trained, bf16_label: trained_bf16} | {
         f"random ({hidden})": KVPolicy.for_model(
             model,
             hidden_dim=hidden,
@@ -125,21 +147,25 @@ def main() -> None:
 
     prefilled = prefill_prompt(model, input_ids)
 
-    def compress(allocation: str) -> None:
-        KVPCache.from_prefill(prefilled, model, policy=trained, budget=args.budget, allocation=allocation)
+    compressions = {allocation: (allocation, trained) for allocation in ALLOCATIONS}
+    compressions["head, bf16 scoring"] = ("head", trained_bf16)
+
+    def compress(label: str) -> None:
+        allocation, policy = compressions[label]
+        KVPCache.from_prefill(prefilled, model, policy=policy, budget=args.budget, allocation=allocation)
 
     for policy in policies.values():
         score_all(policy)  # warm-up
-    for allocation in ALLOCATIONS:
-        compress(allocation)  # warm-up
+    for label in compressions:
+        compress(label)  # warm-up
     prefill_times, policy_times = [], {label: [] for label in policies}
-    compress_times = {allocation: [] for allocation in ALLOCATIONS}
+    compress_times = {label: [] for label in compressions}
     for _ in tqdm(range(args.repeats), desc="repeats"):
         prefill_times.append(timed(prefill))
         for label, policy in policies.items():
             policy_times[label].append(timed(lambda policy=policy: score_all(policy)))
-        for allocation in ALLOCATIONS:
-            compress_times[allocation].append(timed(lambda allocation=allocation: compress(allocation)))
+        for label in compressions:
+            compress_times[label].append(timed(lambda label=label: compress(label)))
 
     prefill_s = statistics.median(prefill_times)
     heads = model.config.num_hidden_layers * model.config.num_key_value_heads
@@ -171,7 +197,14 @@ def main() -> None:
             f"{label:>14} {params:>10,} {params * 4 / 1e6:>8.2f} {rows[-1]['file_bytes'] / 1e6:>8.2f} "
             f"{policy_s * 1e3:>10.1f} {policy_s / prefill_s:>14.2%}"
         )
-    trained_label = next(iter(policies))
+    agreement = kept_agreement(
+        trained, trained_bf16, states, positions, math.ceil(args.budget * args.context_tokens)
+    )
+    rows[1]["kept_agreement"] = agreement
+    print(
+        f"{bf16_label}: keeps {agreement:.2%} of the entries the fp32 policy keeps at budget {args.budget} "
+        "(same per-head counts; random-token prompt)"
+    )
     share, gflop = matmul_share(lambda: score_all(trained))
     trained_ms = rows[0]["policy_ms"]
     profile = {"matmul_share": share, "matmul_gflop": gflop, "gflop_per_s": gflop / (trained_ms / 1e3)}
@@ -183,16 +216,16 @@ def main() -> None:
         f"\nWhole compression with the trained policy at budget {args.budget} (scoring + selection + gather):"
     )
     compression = []
-    for allocation, times in compress_times.items():
+    for label, times in compress_times.items():
         seconds = statistics.median(times)
         compression.append(
             {
-                "allocation": allocation,
+                "allocation": label,
                 "compress_ms": seconds * 1e3,
                 "compress_over_prefill": seconds / prefill_s,
             }
         )
-        print(f"{allocation:>14} {seconds * 1e3:>10.1f} ms {seconds / prefill_s:>14.2%} of the prefill")
+        print(f"{label:>18} {seconds * 1e3:>10.1f} ms {seconds / prefill_s:>14.2%} of the prefill")
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         record = {

@@ -58,3 +58,24 @@ def test_bench_policy_splits_scoring_time_into_matrix_products_and_the_rest():
     assert share > 0.5 and gflop == pytest.approx(2 * 2 * 64 * 32 * 16 / 1e9)
     share, gflop = bench_policy.matmul_share(lambda: torch.nn.functional.silu(x).mul(2))
     assert share == 0.0 and gflop == 0.0
+
+
+def test_bench_policy_kept_agreement_counts_the_shared_top_entries(llama):
+    from kvp_cache import KVPolicy
+
+    bench_policy = load_bench("bench_policy")
+    heads, dim = llama.config.num_key_value_heads, llama.config.hidden_size // llama.config.num_attention_heads
+    states = [(torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)) for _ in range(2)]
+    positions = torch.arange(40)[None, :]
+    policy = KVPolicy.for_model(llama, hidden_dim=16, pos_dim=8, max_positions=64).eval()
+    other = KVPolicy.for_model(llama, hidden_dim=16, pos_dim=8, max_positions=64).eval()
+    assert bench_policy.kept_agreement(policy, policy, states, positions, 10) == 1.0
+    agreement = bench_policy.kept_agreement(policy, other, states, positions, 10)
+    expected = 0
+    with torch.no_grad():
+        for i, (k, v) in enumerate(states):
+            a, b = (p(i, k, v, positions).topk(10, dim=-1).indices for p in (policy, other))
+            expected += sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a[0], b[0], strict=True))
+    assert agreement == expected / (10 * heads * len(states)) and agreement < 1.0
+    # Everything kept: every entry is shared.
+    assert bench_policy.kept_agreement(policy, other, states, positions, 40) == 1.0
