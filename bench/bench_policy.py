@@ -200,7 +200,7 @@ def main() -> None:
     agreement = kept_agreement(
         trained, trained_bf16, states, positions, math.ceil(args.budget * args.context_tokens)
     )
-    rows[1]["kept_agreement"] = agreement
+    next(row for row in rows if row["policy"] == bf16_label)["kept_agreement"] = agreement
     print(
         f"{bf16_label}: keeps {agreement:.2%} of the entries the fp32 policy keeps at budget {args.budget} "
         "(same per-head counts; random-token prompt)"

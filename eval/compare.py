@@ -91,7 +91,7 @@ def paired_samples(new: Run, base: Run) -> dict[tuple, list[tuple[float, float]]
             a, b = ours[index], theirs[index]
             if text and abs(a["nll"][FULL] - b["nll"][FULL]) > 1e-3:
                 raise ValueError(f"{protocol}/{name}/{length} sample {index}: the full cache's NLL differs")
-            keys = [k for k in a.get("nll" if text else "scores", {}) if k != FULL and is_learned(k)]
+            keys = [k for k in a.get("nll" if text else "scores", {}) if is_learned(k)]
             for key in keys:
                 row = tuple(key.split("@"))  # (row name, budget as the key spells it)
                 if missing_rows([row], new.fingerprint, a) or missing_rows([row], base.fingerprint, b):
