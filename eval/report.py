@@ -248,9 +248,10 @@ def paired_lines(result: dict) -> list[str]:
             continue
         label = (lambda b: cap_label(config, b)) if protocol == DECODE else (lambda b: f"budget {b}")
         what = "decoding under a cap" if protocol == DECODE else "real text"
+        against = paired[0]["paired"]["against"]
         lines += [
-            f"**{what}, {length_text(config, protocol, length)}: NLL difference per token from "
-            f"`{paired[0]['paired']['against']}` on the same windows (95% interval; positive: it lost less)**",
+            f"**{what}, {length_text(config, protocol, length)}: NLL difference per token, each method minus "
+            f"`{against}` on the same windows (95% interval; positive: `{against}` lost less)**",
             "",
             difference_table(paired, "paired", label),
             "",

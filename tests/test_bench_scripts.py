@@ -64,7 +64,10 @@ def test_bench_policy_kept_agreement_counts_the_shared_top_entries(llama):
     from kvp_cache import KVPolicy
 
     bench_policy = load_bench("bench_policy")
-    heads, dim = llama.config.num_key_value_heads, llama.config.hidden_size // llama.config.num_attention_heads
+    heads, dim = (
+        llama.config.num_key_value_heads,
+        llama.config.hidden_size // llama.config.num_attention_heads,
+    )
     states = [(torch.randn(1, heads, 40, dim), torch.randn(1, heads, 40, dim)) for _ in range(2)]
     positions = torch.arange(40)[None, :]
     policy = KVPolicy.for_model(llama, hidden_dim=16, pos_dim=8, max_positions=64).eval()
