@@ -632,56 +632,17 @@ GENERATED_END = "<!-- end of generated tables -->"
 
 def compare_tables(summaries: dict[str, dict], against: str | None = None) -> str:
     """Markdown tables putting headroom summaries (``{label: headroom_*.json content}``) side by side:
-    text NLL increase per allocation, allocation minus ``uniform`` paired, every summary's ``layer``
-    and ``head`` minus those of summary ``against`` on the windows they share (when given), where
-    ``head`` puts the entries, and the needles' paired differences of the summaries that have them."""
+    text NLL increase per allocation, allocation minus ``uniform`` paired, every summary's allocations
+    minus those of summary ``against`` on the examples they share (when given), where ``head`` puts
+    the entries, and the needles' paired differences of the summaries that have them. Summaries
+    without text windows (needles only) get the needle tables alone."""
     first = next(iter(summaries.values()))
-    budgets = first["config"]["text_budgets"]
-    text, paired = [], []
-    for label, result in summaries.items():
-        rows = {(r["mode"], r["budget"]): r for r in result["rows"] if _text_all(r)}
-        differences = {(r["mode"], r["budget"]): r for r in result["paired"] if _text_all(r)}
-        text += [[label, mode, *[cell(rows.get((mode, b))) for b in budgets]] for mode in MODES]
-        paired += [
-            [label, f"{mode} − {REFERENCE}", *[cell(differences.get((mode, b))) for b in budgets]]
-            for mode in MODES
-            if mode != REFERENCE
-        ]
-    full = first["rows"][[_text_all(r) and r["mode"] == FULL for r in first["rows"]].index(True)]
-    layers = first["evicting_layers"]
-    # The first three layers one by one, the rest in up to two means (Gemma 3 270M evicts on 3 only).
-    third = min(max(3, len(layers) // 3), len(layers) - 1)
-    spans = [(f"layers {layers[3]}-{layers[third]} (mean)", slice(3, third + 1))] if len(layers) > 3 else []
-    if third + 1 < len(layers):
-        spans.append((f"layers {layers[third + 1]}-{layers[-1]} (mean)", slice(third + 1, None)))
-    share = [
-        [label, f"{float(b):g}", ", ".join(f"{v:.3f}" for v in values[:3])]
-        + [f"{sum(values[part]) / len(values[part]):.3f}" for _, part in spans]
-        for b in [str(b) for b in budgets]
-        for label, result in summaries.items()
-        if (values := result["head_layer_share"].get(b))
-    ]
-    lines = [
-        f"## Text: NLL increase per token over the full cache (n = {full['n']}, bootstrap 95% CI; "
-        f"full cache NLL {full['mean']:.3f})",
-        "",
-        markdown_table(["scores", "allocation", *[f"@{b:g}" for b in budgets]], text),
-        "",
-        f"## Paired on the same windows: allocation minus `{REFERENCE}` (negative: the allocation loses less)",
-        "",
-        markdown_table(["scores", "difference", *[f"@{b:g}" for b in budgets]], paired),
-        "",
-    ]
+    has_text = any(_text_all(r) and r["mode"] == FULL for r in first["rows"])
+    lines = text_tables(summaries) if has_text else []
     if against is not None:
-        lines += [versus_table(summaries, against, budgets), ""]
-    lines += [
-        "## Where `head` puts the entries: share kept per layer (mean over the windows)",
-        "",
-        markdown_table(
-            ["scores", "budget", ", ".join(f"layer {layer}" for layer in layers[:3]), *[n for n, _ in spans]],
-            share,
-        ),
-    ]
+        lines += [versus_table(summaries, against), ""]
+    if has_text:
+        lines += share_table(summaries)
     needles = [
         (label, result)
         for label, result in summaries.items()
@@ -703,35 +664,90 @@ def compare_tables(summaries: dict[str, dict], against: str | None = None) -> st
             "",
             markdown_table(["scores", "cell", *[f"@{b:g}" for b in needle_budgets]], body),
         ]
-    return "\n".join(lines)
+    return "\n".join(lines).strip("\n")
 
 
-def versus_table(summaries: dict[str, dict], against: str, budgets: list[Budget]) -> str:
-    """Each summary's text NLL and needle accuracy under every allocation minus summary ``against``'s,
-    paired on the examples both measured (same uid and tokens; bootstrap 95% CI): other scores,
-    or another policy, on the same data."""
+def text_tables(summaries: dict[str, dict]) -> list[str]:
+    """The text NLL increase of every summary's allocations, and each allocation minus ``uniform``."""
+    first = next(iter(summaries.values()))
+    budgets = first["config"]["text_budgets"]
+    text, paired = [], []
+    for label, result in summaries.items():
+        rows = {(r["mode"], r["budget"]): r for r in result["rows"] if _text_all(r)}
+        differences = {(r["mode"], r["budget"]): r for r in result["paired"] if _text_all(r)}
+        text += [[label, mode, *[cell(rows.get((mode, b))) for b in budgets]] for mode in MODES]
+        paired += [
+            [label, f"{mode} − {REFERENCE}", *[cell(differences.get((mode, b))) for b in budgets]]
+            for mode in MODES
+            if mode != REFERENCE
+        ]
+    full = next(r for r in first["rows"] if _text_all(r) and r["mode"] == FULL)
+    return [
+        f"## Text: NLL increase per token over the full cache (n = {full['n']}, bootstrap 95% CI; "
+        f"full cache NLL {full['mean']:.3f})",
+        "",
+        markdown_table(["scores", "allocation", *[f"@{b:g}" for b in budgets]], text),
+        "",
+        f"## Paired on the same windows: allocation minus `{REFERENCE}` (negative: the allocation loses less)",
+        "",
+        markdown_table(["scores", "difference", *[f"@{b:g}" for b in budgets]], paired),
+        "",
+    ]
+
+
+def share_table(summaries: dict[str, dict]) -> list[str]:
+    """Where ``head`` puts the entries over the text windows: the share each layer keeps."""
+    first = next(iter(summaries.values()))
+    layers = first["evicting_layers"]
+    # The first three layers one by one, the rest in up to two means (Gemma 3 270M evicts on 3 only).
+    third = min(max(3, len(layers) // 3), len(layers) - 1)
+    spans = [(f"layers {layers[3]}-{layers[third]} (mean)", slice(3, third + 1))] if len(layers) > 3 else []
+    if third + 1 < len(layers):
+        spans.append((f"layers {layers[third + 1]}-{layers[-1]} (mean)", slice(third + 1, None)))
+    share = [
+        [label, f"{float(b):g}", ", ".join(f"{v:.3f}" for v in values[:3])]
+        + [f"{sum(values[part]) / len(values[part]):.3f}" for _, part in spans]
+        for b in [str(b) for b in first["config"]["text_budgets"]]
+        for label, result in summaries.items()
+        if (values := result["head_layer_share"].get(b))
+    ]
+    return [
+        "## Where `head` puts the entries: share kept per layer (mean over the windows)",
+        "",
+        markdown_table(
+            ["scores", "budget", ", ".join(f"layer {layer}" for layer in layers[:3]), *[n for n, _ in spans]],
+            share,
+        ),
+    ]
+
+
+def versus_table(summaries: dict[str, dict], against: str) -> str:
+    """Each summary's text NLL, needle accuracy and needle answer NLL under every allocation minus
+    summary ``against``'s, paired on the examples both measured (same uid and tokens; bootstrap 95%
+    CI): other scores, or another policy, on the same data."""
     if against not in summaries:
         raise ValueError(f"--against must be one of the labels {sorted(summaries)}, got {against!r}")
 
     def examples(result: dict, protocol: str) -> dict[tuple[str, str], dict]:
         return {(r["uid"], r["tokens"]): r for r in result["records"] if r["protocol"] == protocol}
 
-    protocols = [PERPLEXITY, *summaries[against]["config"]["protocols"]]
-    references = {protocol: examples(summaries[against], protocol) for protocol in protocols}
+    config = summaries[against]["config"]
+    metrics = {PERPLEXITY: {"nll": "NLL"}} | {
+        p: {"scores": "accuracy", "nll": "answer NLL"} for p in config["protocols"]
+    }
+    references = {protocol: examples(summaries[against], protocol) for protocol in metrics}
+    text_budgets = config["text_budgets"] if references[PERPLEXITY] else []
+    budgets = list(dict.fromkeys([*text_budgets, *config["needle_budgets"]]))
     others = {label: result for label, result in summaries.items() if label != against}
     body = []
-    for (label, result), protocol in itertools.product(others.items(), protocols):
+    for (label, result), (protocol, named) in itertools.product(others.items(), metrics.items()):
         reference = references[protocol]
         shared = [(r, reference[key]) for key, r in examples(result, protocol).items() if key in reference]
-        if not shared:
-            continue
-        metric = "nll" if protocol == PERPLEXITY else "scores"
-        what = "NLL" if metric == "nll" else "accuracy"
-        for mode in MODES:
+        for (metric, what), mode in itertools.product(named.items(), MODES) if shared else ():
             cells = []
             for b in budgets:
                 key = budget_key(mode, b)
-                if key not in shared[0][0][metric]:  # needles are measured at fewer budgets
+                if key not in shared[0][0][metric]:  # text and needles are measured at their own budgets
                     cells.append("-")
                     continue
                 values = [r[metric][key] - o[metric][key] for r, o in shared]
@@ -744,7 +760,7 @@ def versus_table(summaries: dict[str, dict], against: str, budgets: list[Budget]
     return "\n".join(
         [
             f"## Paired against `{against}`: each allocation driven by other scores or another policy, on the "
-            "shared examples (text NLL: negative loses less; accuracy: positive answers more)",
+            "shared examples (NLL: negative loses less; accuracy: positive answers more)",
             "",
             markdown_table(["scores", "difference", *[f"@{b:g}" for b in budgets]], body),
         ]

@@ -178,7 +178,8 @@ def test_compare_rewrites_only_the_generated_tables(tmp_path):
         # Needles the two answer differently: "two" finds one needle fewer of 2 under uniform at 5%.
         summary["records"] += [
             {"uid": f"niah/{i}", "tokens": f"n{i}", "protocol": "question_in",
-             "scores": {"full": 1.0, "uniform@0.05": float(label == "one" or i == 0), "head@0.05": 1.0}}
+             "scores": {"full": 1.0, "uniform@0.05": float(label == "one" or i == 0), "head@0.05": 1.0},
+             "nll": {"full": 0.5, "uniform@0.05": 0.5 + shift, "head@0.05": 0.5}}
             for i in range(2)
         ]  # fmt: skip
         paths[label] = tmp_path / f"{label}.json"
@@ -205,9 +206,37 @@ def test_compare_rewrites_only_the_generated_tables(tmp_path):
         "| two (n=2) | question_in accuracy: uniform − one uniform | -0.500 (-1.000 to +0.000) | - |" in text
     )
     assert "| two (n=2) | question_in accuracy: head − one head | +0.000 (+0.000 to +0.000) | - |" in text
+    assert (
+        "| two (n=2) | question_in answer NLL: uniform − one uniform | -0.050 (-0.050 to -0.050) | - |"
+        in text
+    )
     report.write_text("no block\n")
     with pytest.raises(ValueError, match="has no generated block"):
         main(["--report", str(report), "--compare", f"one={paths['one']}"])
+
+
+def test_compare_of_needle_only_summaries_pairs_the_needles():
+    config = HeadroomConfig(windows={}, samples=3, needle_budgets=[0.1], protocols=["question_in"])
+    summaries = {}
+    for label, shift in (("one", 0.0), ("two", 0.25)):
+        records = [
+            {"uid": f"niah_single/{i}", "tokens": f"n{i}", "source": "niah_single", "protocol": "question_in",
+             "scores": {"full": 1.0} | {f"{mode}@0.1": 1.0 for mode in MODES},
+             "nll": {"full": 0.5} | {f"{mode}@0.1": 0.5 + shift for mode in MODES},
+             "head_layer_share": {"0.1": [0.1] * 30}}
+            for i in range(3)
+        ]  # fmt: skip
+        summaries[label] = {
+            "config": portable_config(config),
+            "evicting_layers": list(range(30)),
+            **summarize(records, config),
+            "records": records,
+        }
+    text = compare_tables(summaries, "one")
+    assert "## Text" not in text and "Where `head` puts the entries" not in text
+    assert "| scores | difference | @0.1 |" in text
+    assert "| two (n=3) | question_in answer NLL: uniform − one uniform | +0.250 (+0.250 to +0.250) |" in text
+    assert "| two (n=3) | question_in accuracy: head − one head | +0.000 (+0.000 to +0.000) |" in text
 
 
 def test_compare_lists_every_layer_of_a_model_that_evicts_on_three():
