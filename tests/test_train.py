@@ -622,7 +622,10 @@ def test_rl_fine_tunes_from_listnet_weights(tmp_path):
     rl_dir = fit.fit(
         fit_config(tmp_path / "traces", tmp_path / "rl", objective="rl", init_from=str(listnet_dir))
     )
-    assert load_policy(rl_dir).trained_length == 500  # rows the start weights reached stay trained
+    tuned_policy = load_policy(rl_dir)
+    assert tuned_policy.trained_length == 500  # rows the start weights reached stay trained
+    start_sha = load_policy(listnet_dir).weights_sha256
+    assert tuned_policy.training_info["init_from"] == f"{listnet_dir} (sha256 {start_sha})"
     for layer in range(2):
         listnet = json.loads((tmp_path / "listnet" / "layers" / f"layer_{layer:02d}.json").read_text())
         tuned = json.loads((tmp_path / "rl" / "layers" / f"layer_{layer:02d}.json").read_text())
@@ -696,6 +699,11 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     assert_fit_made_the_shipped_policy(fit_config, "smollm2-135m-instruct")
     assert fit_config.train_split.split("+") == [main.train_name, native.train_name]
     assert fit_config.val_split.split("+") == [main.val_name, native.val_name]
+
+    assert reproduce.RECIPES["smollm2"].calibrated
+    shipped_calibration = load_policy("smollm2-135m-instruct").calibration.record
+    assert shipped_calibration["variant"] == reproduce.CALIBRATION_VARIANT
+    assert shipped_calibration["loss"] == reproduce.CalibrateConfig().loss
     with pytest.raises(ValueError, match="windows: unknown corpus"):
         collect.CollectConfig(str(tmp_path), windows={"stdlib": 3}).validate()
 
@@ -708,12 +716,28 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     gemma_fit.validate()
     assert gemma_fit.train_split == "train"
     assert_fit_made_the_shipped_policy(gemma_fit, "gemma3-270m")
+    assert not reproduce.RECIPES["gemma3-270m"].calibrated
+    assert load_policy("gemma3-270m").calibration is None
+
+
+def test_ship_copies_the_calibration_and_drops_a_stale_one(tmp_path, monkeypatch):
+    from train import reproduce
+
+    source, target = tmp_path / "policy", tmp_path / "policies"
+    source.mkdir()
+    for name in ("config.json", "model.safetensors", "README.md", "calibration.safetensors"):
+        (source / name).write_text(name)
+    monkeypatch.setattr(reproduce, "POLICIES_DIR", target)
+    reproduce.ship(source, "smollm2")
+    shipped = target / "smollm2-135m-instruct"
+    assert (shipped / "calibration.safetensors").read_text() == "calibration.safetensors"
+    (source / "calibration.safetensors").unlink()
+    reproduce.ship(source, "smollm2")
+    assert sorted(p.name for p in shipped.iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
 def assert_fit_made_the_shipped_policy(fit_config, shipped_name: str) -> None:
     """The recipe's fit settings are those the shipped policy records it was trained with."""
-    from kvp_cache.policy import load_policy
-
     policy = load_policy(shipped_name)
     trained = policy.training_info
     assert (fit_config.objective, fit_config.target) == (trained["objective"], trained["target"])

@@ -288,6 +288,7 @@ def initial_policy(info: dict, config: FitConfig) -> KVPolicy:
                 "(hidden_dim, pos_dim, max_positions, num_mlp_layers and the model's heads must match)"
             ) from error
         policy.trained_length = start.trained_length
+        policy.start_sha256 = start.weights_sha256
     return policy
 
 
@@ -349,6 +350,9 @@ def assemble_policy(
         "val_reward_best": round(sum(h["best_val_reward"] for h in histories) / len(histories), 4),
         "train_minutes": round(sum(h["seconds"] for h in histories) / 60, 1),
     }
+    if config.init_from is not None:
+        # A name such as the shipped one can point at other weights later: the sha256 says which.
+        policy.training_info["init_from"] = f"{config.init_from} (sha256 {policy.start_sha256})"
     policy.save_pretrained(out / "policy")
     plots.training_curves(out, out / "training_curves.png")
     return out / "policy"

@@ -7,7 +7,9 @@ Runs, each step resumable (rerun the command after an interruption):
 2. fit every evicting layer on every training split, validating on the held-out splits;
 3. evaluate: eviction cost on the held-out splits (recorded in the policy card), then the loss after
    compression on the same examples (``train downstream``, the number the recipe was chosen by);
-4. with ``--ship``, copy the policy to ``kvp_cache/policies/<its shipped name>``.
+4. where the recipe is calibrated: ``train calibrate`` (a temperature and a weight per head, for
+   ``allocation="head"``/``"layer"``), the ``tau_w`` variant;
+5. with ``--ship``, copy the policy (and its calibration) to ``kvp_cache/policies/<its shipped name>``.
 
 The recipes (:data:`RECIPES`):
 
@@ -21,6 +23,7 @@ The recipes (:data:`RECIPES`):
   attention with the always-kept sinks and window left out), 64 hidden units, 400 steps. 80 + 17
   minutes of collection (22.2 GB of traces), 93 process-minutes of fitting (47 min on 2 processes
   with torchrun), ~20 of downstream evaluation on 2 shared cores (docs/training_report.md).
+  Then its calibration (7 minutes; docs/adaptive/calibration_smollm2.md).
 - ``gemma3-270m``: plain prompts (a base model), 10% held out, one collection of 140 candidates of
   512-8192 tokens (35 essays, 35 Python code, 25 docs; 30 ``niah_single``/``niah_multiquery``
   prompts with the question inside, 15 asked after). Only its 3 global layers are traced and
@@ -37,16 +40,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvp_cache.policy import POLICIES_DIR
+from train.calibrate import CalibrateConfig, calibrate
 from train.collect import LEGACY_SETTINGS, CollectConfig, collect
 from train.downstream import DownstreamConfig, run_downstream
 from train.evaluate import EvaluateConfig, run_evaluation
 from train.fit import FitConfig, fit
 
+CALIBRATION_VARIANT = "tau_w"
+
 
 @dataclass(frozen=True)
 class Recipe:
     """How one shipped policy is built: its collections (``CollectConfig`` fields, into one trace
-    directory) and the fit settings that differ between models."""
+    directory), the fit settings that differ between models, and whether the shipped policy carries
+    a cross-head calibration."""
 
     shipped_name: str
     report_dir: str
@@ -54,6 +61,7 @@ class Recipe:
     hidden_dim: int
     target: str = "attention_evictable"
     steps: int = 200
+    calibrated: bool = False
 
 
 # The shipped policies were collected before text windows were disjoint (train.data.text_examples)
@@ -88,6 +96,7 @@ RECIPES = {
         ),
         hidden_dim=64,
         steps=400,
+        calibrated=True,
     ),
     "gemma3-270m": Recipe(
         "gemma3-270m",
@@ -149,17 +158,21 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str =
 
 
 def ship(policy_dir: Path, model: str = "smollm2") -> None:
-    """Step 4: copy the policy into the package."""
+    """Step 5: copy the policy, and its calibration where it has one, into the package."""
     target = POLICIES_DIR / RECIPES[model].shipped_name
     target.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "README.md"):
-        shutil.copy(policy_dir / name, target / name)
+    for name in ("config.json", "model.safetensors", "README.md", "calibration.safetensors"):
+        if (policy_dir / name).exists():
+            shutil.copy(policy_dir / name, target / name)
+        else:
+            (target / name).unlink(missing_ok=True)  # config.json is the judge of what belongs
     print(f"shipped to {target}")
 
 
 def reproduce_command(args: argparse.Namespace) -> None:
+    recipe = RECIPES[args.model]
     run_dir = Path(args.run_dir or f"runs/{args.model}")
-    report = Path(args.report_dir or RECIPES[args.model].report_dir)
+    report = Path(args.report_dir or recipe.report_dir)
     traces, fit_dir = run_dir / "traces", run_dir / "fit"
     collections = collect_configs(traces, args.model, args.essays_dir)
     for config in collections:
@@ -175,6 +188,17 @@ def reproduce_command(args: argparse.Namespace) -> None:
     )
     for split in val_splits:  # downstream rebuilds examples from one collection's settings
         run_downstream(DownstreamConfig(str(traces), str(report), split=split, policy=[f"kvp={policy_dir}"]))
+    if recipe.calibrated:
+        out = run_dir / "calibrate"
+        calibrate(
+            CalibrateConfig(
+                model=args.model,
+                policy=str(policy_dir),
+                out=str(out),
+                results=str(report / "calibration.json"),
+            )
+        )
+        policy_dir = out / f"policy-{CALIBRATION_VARIANT}"
     if args.ship:
         ship(policy_dir, args.model)
 
