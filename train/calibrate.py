@@ -343,7 +343,7 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
         }
         calibrated = Calibration(temperature, weight, record)
         policy.calibration = calibrated
-        policy.save_pretrained(out / f"policy-{variant}")
+        policy.save_pretrained(calibrated_policy_dir(out, variant))
         policy.calibration = None
         drivers[variant] = calibrated_values(scores[check_at], temperature, weight)
         variants[variant] = {
@@ -352,7 +352,7 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
             "check_loss": round(check_loss, 6),
             "temperature": temperature.tolist(),
             "weight": weight.tolist(),
-            "policy_dir": portable_argument(str(out / f"policy-{variant}")),
+            "policy_dir": portable_argument(str(calibrated_policy_dir(out, variant))),
         }
     softmax_loss = loss_of(config.loss, scores[check_at].log_softmax(-1), target[check_at], evictable).item()
     lost = lost_attention(
@@ -369,13 +369,18 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
         "lost_attention_per_window": lost,
     }
     for variant in VARIANTS:
-        calibrated = load_policy(out / f"policy-{variant}")
+        calibrated = load_policy(calibrated_policy_dir(out, variant))
         result["variants"][variant]["calibration_sha256"] = calibrated.calibration_sha256
     results = Path(config.results) if config.results else out / "calibration.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     results.with_suffix(".md").write_text(markdown_report(result), encoding="utf-8")
     return result
+
+
+def calibrated_policy_dir(out: Path, variant: str) -> Path:
+    """Where ``calibrate`` writes the policy with ``variant``'s calibration."""
+    return Path(out) / f"policy-{variant}"
 
 
 def calibrated_values(scores: torch.Tensor, temperature: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

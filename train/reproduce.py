@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvp_cache.policy import POLICIES_DIR
-from train.calibrate import CalibrateConfig, calibrate
+from train.calibrate import CalibrateConfig, calibrate, calibrated_policy_dir
 from train.collect import LEGACY_SETTINGS, CollectConfig, collect
 from train.downstream import DownstreamConfig, run_downstream
 from train.evaluate import EvaluateConfig, run_evaluation
@@ -198,7 +198,7 @@ def reproduce_command(args: argparse.Namespace) -> None:
                 results=str(report / "calibration.json"),
             )
         )
-        policy_dir = out / f"policy-{CALIBRATION_VARIANT}"
+        policy_dir = calibrated_policy_dir(out, CALIBRATION_VARIANT)
     if args.ship:
         ship(policy_dir, args.model)
 
