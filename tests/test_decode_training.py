@@ -276,6 +276,15 @@ def test_validation_sequences_are_the_traced_ones(tmp_path, llama, monkeypatch):
         rebuilt(other)
 
 
+def test_sources_pick_sequences_and_reject_unknown_ones():
+    examples = random_sequences(3, 0)
+    examples[1].source = "code"
+    assert decode_downstream.of_sources(examples, ["code"]) == [examples[1]]
+    assert decode_downstream.of_sources(examples, []) == examples
+    with pytest.raises(ValueError, match=r"sources: \['docs'\] not in this split"):
+        decode_downstream.of_sources(examples, ["code", "docs"])
+
+
 def test_sampled_continuations_pool_with_the_text():
     records = [{"source": s} for s in ("code", "code-sampled", "niah_single", "niah_single-after")]
     groups = source_groups(records)

@@ -43,7 +43,9 @@ class DecodeDownstreamConfig:
 
     policy: ``name=path`` specs, shipped names or directories; methods: registry methods that rank
     decoded tokens (``streaming_llm``, ``tova``, ...). caps: ``max_cache_tokens`` values.
-    limit: at most this many sequences (the first ones), 0 for all.
+    sources: only the sequences of these sources (``code``, ``docs-sampled``, ...), empty for all;
+    for a collection whose corpora changed since, say. limit: at most this many sequences (the first
+    ones), 0 for all.
     """
 
     traces: str
@@ -56,6 +58,7 @@ class DecodeDownstreamConfig:
     evict_every: int = 64
     sinks: int = 4
     window: int = 16
+    sources: list[str] = field(default_factory=list)
     limit: int = 0
 
     def validate(self) -> None:
@@ -95,6 +98,15 @@ def validation_sequences(traces: str | Path, split: str, tokenizer) -> list[Exam
             )
         out.append(example)
     return out
+
+
+def of_sources(examples: list[Example], sources: list[str]) -> list[Example]:
+    """The examples of ``sources`` (all where it is empty); a source the split lacks is an error."""
+    present = sorted({e.source for e in examples})
+    unknown = sorted(set(sources) - set(present))
+    if unknown:
+        raise ValueError(f"sources: {unknown} not in this split, whose sources are {present}")
+    return [e for e in examples if not sources or e.source in sources]
 
 
 def traced_identically(example: Example | None, record: dict) -> bool:
@@ -148,6 +160,7 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
     if model is None:
         model, tokenizer = load_model(settings["model"])
     examples = validation_sequences(config.traces, config.split, tokenizer)
+    examples = of_sources(examples, config.sources)
     examples = examples[: config.limit] if config.limit else examples
     policies = parse_policies(config.policy)
     methods = {name: {"policy": policy} for name, policy in policies.items()}
@@ -191,6 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caps", type=int, nargs="+", default=defaults.caps, help="max_cache_tokens values")
     for name in ("chunk_tokens", "evict_every", "sinks", "window"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--sources", nargs="*", default=[], help="only these sources' sequences")
     parser.add_argument("--limit", type=int, default=0, help="only the first N sequences (0: all)")
     parser.add_argument("--out", required=True, help="writes downstream_decode_<split>.{jsonl,json,md} here")
     parser.add_argument("--threads", type=int, default=2)
