@@ -9,7 +9,8 @@ import itertools
 import json
 import math
 import random
-from dataclasses import replace
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from kvp_cache.targets import attention_modules
 from train import collect, corpora, data, evaluate, fit, reward, rl
 from train.batch import pad_batch
 from train.traces import TraceSplit, shard_dir, write_shard
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT, FUTURE = 40, 6
 
@@ -696,9 +699,29 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     fit_config.validate()
     assert (fit_config.objective, fit_config.target) == ("listnet", "attention_evictable")
     assert (fit_config.position_strategy, fit_config.max_positions) == ("scale", 128)
-    assert_fit_made_the_shipped_policy(fit_config, "smollm2-135m-instruct")
+    first_fit = REPO / "docs/smollm2/ablation_513_traces/steps400_policy"  # where the fine-tune starts
+    assert_fit_made_the_shipped_policy(fit_config, str(first_fit))
     assert fit_config.train_split.split("+") == [main.train_name, native.train_name]
     assert fit_config.val_split.split("+") == [main.val_name, native.val_name]
+
+    # The fine-tune: the collections and the anchored fit docs/decode/training_runs.json records.
+    runs = json.loads((REPO / "docs/decode/training_runs.json").read_text())
+    collections = reproduce.finetune_collect_configs(tmp_path / "tune")
+    recorded = ("collection_train", "collection_train_decode", "collection_train_long")
+    for config, name in zip(collections, recorded, strict=True):
+        config.validate()
+        settings = json.loads(json.dumps(asdict(config)))
+        assert settings.pop("out") == str(tmp_path / "tune")
+        assert settings == runs[name]["settings"]
+    tune = reproduce.finetune_fit_config(tmp_path / "tune", tmp_path / "ft", first_fit)
+    tune.validate()
+    where = {"traces": None, "out": None, "init_from": None}  # paths of the run that made it
+    tuned, recorded_fit = asdict(tune) | where, runs["fit-anchor08long"]["fit_settings"] | where
+    assert {k: tuned[k] for k in recorded_fit} == recorded_fit
+    assert tune.layers is None  # every layer: the fit ran before `layers` was a setting
+    start_sha = load_policy(str(first_fit)).weights_sha256
+    assert load_policy("smollm2-135m-instruct").training_info["init_from"].endswith(f"(sha256 {start_sha})")
+    assert_fit_made_the_shipped_policy(tune, "smollm2-135m-instruct")
 
     assert reproduce.RECIPES["smollm2"].calibrated
     shipped_calibration = load_policy("smollm2-135m-instruct").calibration.record
@@ -716,6 +739,7 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     gemma_fit.validate()
     assert gemma_fit.train_split == "train"
     assert_fit_made_the_shipped_policy(gemma_fit, "gemma3-270m")
+    assert reproduce.RECIPES["gemma3-270m"].finetune is None
     assert not reproduce.RECIPES["gemma3-270m"].calibrated
     assert load_policy("gemma3-270m").calibration is None
 
@@ -736,8 +760,57 @@ def test_ship_copies_the_calibration_and_drops_a_stale_one(tmp_path, monkeypatch
     assert sorted(p.name for p in shipped.iterdir()) == ["README.md", "config.json", "model.safetensors"]
 
 
+def test_reproduce_runs_the_fine_tune_on_the_first_fit_then_calibrates_and_ships_it(tmp_path, monkeypatch):
+    """The steps' order and hand-offs, each step replaced by a recorder."""
+    import argparse
+
+    from train import reproduce
+
+    calls = []
+
+    def fit(config):
+        calls.append(("fit", config.init_from, config.anchor))
+        Path(config.out, "policy").mkdir(parents=True)
+        Path(config.out, "training_curves.png").write_text("")
+        return Path(config.out, "policy")
+
+    def step(name, field):
+        return lambda config: calls.append((name, getattr(config, field)))
+
+    monkeypatch.setattr(reproduce, "collect", step("collect", "train_name"))
+    monkeypatch.setattr(reproduce, "collect_decode", step("collect_decode", "train_name"))
+    monkeypatch.setattr(reproduce, "fit", fit)
+    monkeypatch.setattr(reproduce, "run_evaluation", lambda c: calls.append(("evaluate", c.split, c.policy)))
+    monkeypatch.setattr(reproduce, "run_downstream", step("downstream", "split"))
+    monkeypatch.setattr(reproduce, "calibrate", step("calibrate", "policy"))
+    monkeypatch.setattr(reproduce, "ship", lambda policy_dir, model: calls.append(("ship", policy_dir)))
+    run = tmp_path / "run"
+    args = argparse.Namespace(
+        model="smollm2", run_dir=str(run), report_dir=str(tmp_path / "report"), essays_dir="essays",
+        objective="listnet", ship=True,
+    )  # fmt: skip
+    reproduce.reproduce_command(args)
+    base, tuned = run / "fit/policy", run / "finetune/policy"
+    assert calls == [
+        ("collect", "train"),
+        ("collect", "train_native"),
+        ("fit", None, 0.0),
+        ("evaluate", "val+val_native", [str(base)]),
+        ("downstream", "val"),
+        ("downstream", "val_native"),
+        ("collect", "train"),
+        ("collect_decode", "train_decode"),
+        ("collect", "train_long"),
+        ("fit", str(base), 0.8),
+        ("evaluate", "val+val_long", [str(tuned)]),
+        ("calibrate", str(tuned)),
+        ("ship", run / "calibrate/policy-tau_w"),
+    ]
+
+
 def assert_fit_made_the_shipped_policy(fit_config, shipped_name: str) -> None:
-    """The recipe's fit settings are those the shipped policy records it was trained with."""
+    """The recipe's fit settings are those the shipped policy (or a policy directory) records it was
+    trained with."""
     policy = load_policy(shipped_name)
     trained = policy.training_info
     assert (fit_config.objective, fit_config.target) == (trained["objective"], trained["target"])

@@ -7,9 +7,12 @@ Runs, each step resumable (rerun the command after an interruption):
 2. fit every evicting layer on every training split, validating on the held-out splits;
 3. evaluate: eviction cost on the held-out splits (recorded in the policy card), then the loss after
    compression on the same examples (``train downstream``, the number the recipe was chosen by);
-4. where the recipe is calibrated: ``train calibrate`` (a temperature and a weight per head, for
+4. where the recipe has a :class:`FineTune`: its prefill and decode-time collections into a second
+   trace directory, a short fit from step 2's weights, anchored to their ranking, and its eviction
+   cost on the prefill validation splits (recorded in the card);
+5. where the recipe is calibrated: ``train calibrate`` (a temperature and a weight per head, for
    ``allocation="head"``/``"layer"``), the ``tau_w`` variant;
-5. with ``--ship``, copy the policy (and its calibration) to ``kvp_cache/policies/<its shipped name>``.
+6. with ``--ship``, copy the policy (and its calibration) to ``kvp_cache/policies/<its shipped name>``.
 
 The recipes (:data:`RECIPES`):
 
@@ -23,7 +26,14 @@ The recipes (:data:`RECIPES`):
   attention with the always-kept sinks and window left out), 64 hidden units, 400 steps. 80 + 17
   minutes of collection (22.2 GB of traces), 93 process-minutes of fitting (47 min on 2 processes
   with torchrun), ~20 of downstream evaluation on 2 shared cores (docs/training_report.md).
-  Then its calibration (7 minutes; docs/adaptive/calibration_smollm2.md).
+  Then the fine-tune that serves decoding too (docs/decode/README.md, "anchor08long"): 114 prefill
+  candidates of 512-2048 tokens (36 needle prompts, 78 windows), 104 sequences of a 1,024-token
+  prompt and 1,024 tokens traced as they are decoded under a cap of 256 (16 continue with the
+  model's own samples), and 48 prefill candidates of 4,096-7,936 tokens; 100 steps of ListNet from
+  the first fit with ``--anchor 0.8``, on every split (31 minutes). The ``docs`` windows read the
+  installed distributions' READMEs, so they differ between environments (the shipped fine-tune's
+  first two collections ran at 266ea3c from the checkout root). Then its calibration (7 minutes;
+  docs/decode/calibration_anchor08long.md).
 - ``gemma3-270m``: plain prompts (a base model), 10% held out, one collection of 140 candidates of
   512-8192 tokens (35 essays, 35 Python code, 25 docs; 30 ``niah_single``/``niah_multiquery``
   prompts with the question inside, 15 asked after). Only its 3 global layers are traced and
@@ -36,12 +46,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvp_cache.policy import POLICIES_DIR
 from train.calibrate import CalibrateConfig, calibrate, calibrated_policy_dir
 from train.collect import LEGACY_SETTINGS, CollectConfig, collect
+from train.decode import DecodeCollectConfig, collect_decode
 from train.downstream import DownstreamConfig, run_downstream
 from train.evaluate import EvaluateConfig, run_evaluation
 from train.fit import FitConfig, fit
@@ -50,10 +61,23 @@ CALIBRATION_VARIANT = "tau_w"
 
 
 @dataclass(frozen=True)
+class FineTune:
+    """A second fit from the first one's weights: collections into their own trace directory, each
+    ``("prefill", CollectConfig fields)`` or ``("decode", DecodeCollectConfig fields)`` in the order
+    the fit reads their splits; then ``steps`` of ListNet at ``lr`` on every split, ``anchor`` of
+    the target being the start weights' ranking."""
+
+    collections: tuple[tuple[str, dict], ...]
+    steps: int = 100
+    lr: float = 1e-3
+    anchor: float = 0.8
+
+
+@dataclass(frozen=True)
 class Recipe:
     """How one shipped policy is built: its collections (``CollectConfig`` fields, into one trace
-    directory), the fit settings that differ between models, and whether the shipped policy carries
-    a cross-head calibration."""
+    directory), the fit settings that differ between models, an optional :class:`FineTune`, and
+    whether the shipped policy carries a cross-head calibration."""
 
     shipped_name: str
     report_dir: str
@@ -61,6 +85,7 @@ class Recipe:
     hidden_dim: int
     target: str = "attention_evictable"
     steps: int = 200
+    finetune: FineTune | None = None
     calibrated: bool = False
 
 
@@ -96,6 +121,48 @@ RECIPES = {
         ),
         hidden_dim=64,
         steps=400,
+        finetune=FineTune(
+            (
+                (
+                    "prefill",
+                    dict(
+                        synthetic=24,
+                        synthetic_after=12,
+                        tasks=["niah_single", "niah_multikey"],
+                        windows={"code": 30, "native_code": 16, "docs": 16, "dialogue": 16},
+                        context_tokens=(512, 2048),
+                        future_tokens=(64, 256),
+                        val_fraction=0.15,
+                        seed=1,
+                    ),
+                ),
+                (
+                    "decode",
+                    dict(
+                        windows={"code": 24, "native_code": 20, "docs": 20, "dialogue": 24},
+                        sampled={"code": 6, "dialogue": 6, "docs": 4},
+                        train_name="train_decode",
+                        val_name="val_decode",
+                        seed=1,
+                    ),
+                ),
+                (
+                    "prefill",
+                    dict(
+                        synthetic=12,
+                        synthetic_after=8,
+                        tasks=["niah_single", "niah_multikey"],
+                        windows={"code": 10, "native_code": 6, "docs": 6, "dialogue": 6},
+                        context_tokens=(4096, 7936),
+                        future_tokens=(64, 256),
+                        val_fraction=0.15,
+                        train_name="train_long",
+                        val_name="val_long",
+                        seed=3,
+                    ),
+                ),
+            )
+        ),
         calibrated=True,
     ),
     "gemma3-270m": Recipe(
@@ -157,8 +224,39 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str =
     )
 
 
+def finetune_collect_configs(
+    traces: Path, model: str = "smollm2"
+) -> list[CollectConfig | DecodeCollectConfig]:
+    """Step 4's collections into ``traces``. Unlike step 1 they read no essays (their needles hide in
+    RULER's noise haystack)."""
+    kinds = {"prefill": CollectConfig, "decode": DecodeCollectConfig}
+    return [
+        kinds[kind](str(traces), model=model, **settings)
+        for kind, settings in RECIPES[model].finetune.collections
+    ]
+
+
+def finetune_fit_config(traces: Path, out: Path, start: Path, model: str = "smollm2") -> FitConfig:
+    """Step 4's fit: step 2's settings from its weights ``start``, shorter and slower, anchored, with
+    a faster-moving average of the weights; on every collection's splits."""
+    finetune = RECIPES[model].finetune
+    collections = finetune_collect_configs(traces, model)
+    return replace(
+        fit_config(traces, out, model=model),
+        steps=finetune.steps,
+        lr=finetune.lr,
+        warmup=5,
+        eval_every=10,
+        ema_decay=0.95,
+        init_from=str(start),
+        anchor=finetune.anchor,
+        train_split="+".join(c.train_name for c in collections),
+        val_split="+".join(c.val_name for c in collections),
+    )
+
+
 def ship(policy_dir: Path, model: str = "smollm2") -> None:
-    """Step 5: copy the policy, and its calibration where it has one, into the package."""
+    """Step 6: copy the policy, and its calibration where it has one, into the package."""
     target = POLICIES_DIR / RECIPES[model].shipped_name
     target.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "README.md", "calibration.safetensors"):
@@ -188,6 +286,22 @@ def reproduce_command(args: argparse.Namespace) -> None:
     )
     for split in val_splits:  # downstream rebuilds examples from one collection's settings
         run_downstream(DownstreamConfig(str(traces), str(report), split=split, policy=[f"kvp={policy_dir}"]))
+    if recipe.finetune is not None:
+        tune_traces = run_dir / "finetune_traces"
+        tune_collections = finetune_collect_configs(tune_traces, args.model)
+        for config in tune_collections:
+            (collect_decode if isinstance(config, DecodeCollectConfig) else collect)(config)
+        policy_dir = fit(finetune_fit_config(tune_traces, run_dir / "finetune", policy_dir, args.model))
+        prefill_val = [c.val_name for c in tune_collections if isinstance(c, CollectConfig)]
+        run_evaluation(
+            EvaluateConfig(
+                str(tune_traces),
+                str(report / "finetune"),
+                split="+".join(prefill_val),
+                policy=[str(policy_dir)],
+                record=True,
+            )
+        )
     if recipe.calibrated:
         out = run_dir / "calibrate"
         calibrate(
