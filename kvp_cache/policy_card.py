@@ -72,9 +72,11 @@ def check_evaluation(evaluation: dict) -> None:
                 )
 
 
-def evaluation_table(budgets: list, rows: dict[str, list]) -> str:
-    """Methods as rows, budgets as columns: ``rows`` maps a method to its value at each budget."""
-    return markdown_table(["method", *budgets], [[name, *values] for name, values in rows.items()])
+def evaluation_table(budgets: list, rows: dict[str, list], lower_is_better: bool = True) -> str:
+    """Methods as rows, best mean first (config.json stores them by name), budgets as columns:
+    ``rows`` maps a method to its value at each budget."""
+    ranked = sorted(rows.items(), key=lambda row: sum(row[1]) / len(row[1]), reverse=not lower_is_better)
+    return markdown_table(["method", *budgets], [[name, *values] for name, values in ranked])
 
 
 def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
@@ -144,7 +146,9 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
         if evaluation.get("accuracy"):
             task = evaluation.get("accuracy_task", "the downstream task")
             parts += ["", f"Accuracy on {task} per budget (higher is better):", ""]
-            parts.append(evaluation_table(evaluation["budgets"], evaluation["accuracy"]))
+            parts.append(
+                evaluation_table(evaluation["budgets"], evaluation["accuracy"], lower_is_better=False)
+            )
     return "\n".join(parts) + "\n"
 
 

@@ -311,6 +311,18 @@ def test_model_card(llama, tmp_path):
     assert "Accuracy on RULER niah" in text and "| kvp | 0.5 | 0.875 |" in text
 
 
+def test_card_tables_put_the_best_method_first():
+    from kvp_cache.policy_card import evaluation_table
+
+    rows = {"kvp": [0.25, 0.04], "random": [0.5, 0.3], "oracle": [0.2, 0.02]}
+
+    def order(table: str) -> list[str]:
+        return [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+
+    assert order(evaluation_table([0.1, 0.25], rows)) == ["oracle", "kvp", "random"]
+    assert order(evaluation_table([0.1, 0.25], rows, lower_is_better=False)) == ["random", "kvp", "oracle"]
+
+
 def test_card_without_training_says_so(llama, tmp_path):
     tiny_policy(llama).save_pretrained(tmp_path)
     card = ModelCard.load(tmp_path / "README.md")
