@@ -98,6 +98,8 @@ SMOLLM2_SHARED = dict(
     val_fraction=0.08,
     **LEGACY_SETTINGS,
 )
+# The fine-tune's prefill collections: needles in RULER's noise haystack, current window rules.
+FINETUNE_PREFILL = dict(tasks=["niah_single", "niah_multikey"], future_tokens=(64, 256), val_fraction=0.15)
 RECIPES = {
     "smollm2": Recipe(
         "smollm2-135m-instruct",
@@ -128,12 +130,10 @@ RECIPES = {
                     dict(
                         synthetic=24,
                         synthetic_after=12,
-                        tasks=["niah_single", "niah_multikey"],
                         windows={"code": 30, "native_code": 16, "docs": 16, "dialogue": 16},
                         context_tokens=(512, 2048),
-                        future_tokens=(64, 256),
-                        val_fraction=0.15,
                         seed=1,
+                        **FINETUNE_PREFILL,
                     ),
                 ),
                 (
@@ -151,14 +151,12 @@ RECIPES = {
                     dict(
                         synthetic=12,
                         synthetic_after=8,
-                        tasks=["niah_single", "niah_multikey"],
                         windows={"code": 10, "native_code": 6, "docs": 6, "dialogue": 6},
                         context_tokens=(4096, 7936),
-                        future_tokens=(64, 256),
-                        val_fraction=0.15,
                         train_name="train_long",
                         val_name="val_long",
                         seed=3,
+                        **FINETUNE_PREFILL,
                     ),
                 ),
             )
