@@ -256,17 +256,19 @@ def test_decode_downstream_equals_a_hand_loop(llama):
 
 def test_validation_sequences_are_the_traced_ones(tmp_path, llama, monkeypatch):
     """downstream-decode rebuilds the traced sequences from collect.json; every prompt has one length,
-    so a sequence whose text changed (other corpora, other code) is caught by its recorded digest."""
+    so a sequence whose text changed (other corpora, other code) is caught by its recorded digest,
+    unless ``sources`` leaves its source out."""
     config = decode_config(tmp_path)
     splits = {"train": random_sequences(1, 0), "val": random_sequences(2, 1, sampled=True)}
+    splits["val"][1].source = "code"
     write_decode_traces(llama, tmp_path, splits, config)
     traced_continuation = TraceSplit(tmp_path, "val").samples[0]["continuation_ids"]
 
-    def rebuilt(val):
+    def rebuilt(val, sources=None):
         monkeypatch.setattr(
             decode_downstream, "decode_examples", lambda config, tokenizer: {"train": [], "val": val}
         )
-        return decode_downstream.validation_sequences(tmp_path, "val", tokenizer=None)
+        return decode_downstream.validation_sequences(tmp_path, "val", tokenizer=None, sources=sources)
 
     again = random_sequences(2, 1, sampled=True)
     assert [e.future_ids for e in rebuilt(again)] == [traced_continuation, splits["val"][1].future_ids]
@@ -274,15 +276,11 @@ def test_validation_sequences_are_the_traced_ones(tmp_path, llama, monkeypatch):
     other[1].future_ids = [(t + 1) % 256 for t in other[1].future_ids]
     with pytest.raises(ValueError, match="not rebuilt identically"):
         rebuilt(other)
-
-
-def test_sources_pick_sequences_and_reject_unknown_ones():
-    examples = random_sequences(3, 0)
-    examples[1].source = "code"
-    assert decode_downstream.of_sources(examples, ["code"]) == [examples[1]]
-    assert decode_downstream.of_sources(examples, []) == examples
-    with pytest.raises(ValueError, match=r"sources: \['docs'\] not in this split"):
-        decode_downstream.of_sources(examples, ["code", "docs"])
+    assert [e.uid for e in rebuilt(other, sources=["rand"])] == ["rand/0"]
+    with pytest.raises(
+        ValueError, match=r"sources: \['docs'\] not in this split, whose sources are \['code', 'rand'\]"
+    ):
+        rebuilt(other, sources=["docs"])
 
 
 def test_sampled_continuations_pool_with_the_text():

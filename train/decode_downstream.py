@@ -77,9 +77,12 @@ class DecodeDownstreamConfig:
         return {k: getattr(self, k) for k in ("chunk_tokens", "evict_every", "sinks", "window")}
 
 
-def validation_sequences(traces: str | Path, split: str, tokenizer) -> list[Example]:
+def validation_sequences(
+    traces: str | Path, split: str, tokenizer, sources: list[str] | None = None
+) -> list[Example]:
     """The sequences ``collect-decode`` traced into ``traces/split``, rebuilt from its ``collect.json``
-    (a sampled one with its recorded continuation)."""
+    (a sampled one with its recorded continuation); only those of ``sources`` where given, so the
+    others need not rebuild identically."""
     settings = json.loads((Path(traces) / split / "collect.json").read_text())["settings"]
     config = DecodeCollectConfig(out=str(traces), **settings)
     named = decode_examples(config, tokenizer)
@@ -87,7 +90,7 @@ def validation_sequences(traces: str | Path, split: str, tokenizer) -> list[Exam
         raise ValueError(f"split must be {config.train_name!r} or {config.val_name!r}, got {split!r}")
     examples = {e.uid: e for e in named[split]}
     out = []
-    for record in TraceSplit(traces, split).samples:
+    for record in of_sources(TraceSplit(traces, split).samples, sources or []):
         example = examples.get(record["uid"])
         if example is not None and example.future_ids is None:
             example.future_ids = record["continuation_ids"]
@@ -100,13 +103,13 @@ def validation_sequences(traces: str | Path, split: str, tokenizer) -> list[Exam
     return out
 
 
-def of_sources(examples: list[Example], sources: list[str]) -> list[Example]:
-    """The examples of ``sources`` (all where it is empty); a source the split lacks is an error."""
-    present = sorted({e.source for e in examples})
+def of_sources(records: list[dict], sources: list[str]) -> list[dict]:
+    """The trace records of ``sources`` (all where it is empty); a source the split lacks is an error."""
+    present = sorted({r["source"] for r in records})
     unknown = sorted(set(sources) - set(present))
     if unknown:
         raise ValueError(f"sources: {unknown} not in this split, whose sources are {present}")
-    return [e for e in examples if not sources or e.source in sources]
+    return [r for r in records if not sources or r["source"] in sources]
 
 
 def traced_identically(example: Example | None, record: dict) -> bool:
@@ -159,8 +162,7 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
     settings = json.loads((Path(config.traces) / config.split / "collect.json").read_text())["settings"]
     if model is None:
         model, tokenizer = load_model(settings["model"])
-    examples = validation_sequences(config.traces, config.split, tokenizer)
-    examples = of_sources(examples, config.sources)
+    examples = validation_sequences(config.traces, config.split, tokenizer, config.sources)
     examples = examples[: config.limit] if config.limit else examples
     policies = parse_policies(config.policy)
     methods = {name: {"policy": policy} for name, policy in policies.items()}
