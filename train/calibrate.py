@@ -343,7 +343,8 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
         }
         calibrated = Calibration(temperature, weight, record)
         policy.calibration = calibrated
-        policy.save_pretrained(calibrated_policy_dir(out, variant))
+        policy_dir = calibrated_policy_dir(out, variant)
+        policy.save_pretrained(policy_dir)
         policy.calibration = None
         drivers[variant] = calibrated_values(scores[check_at], temperature, weight)
         variants[variant] = {
@@ -352,7 +353,7 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
             "check_loss": round(check_loss, 6),
             "temperature": temperature.tolist(),
             "weight": weight.tolist(),
-            "policy_dir": portable_argument(str(calibrated_policy_dir(out, variant))),
+            "policy_dir": portable_argument(str(policy_dir)),
         }
     softmax_loss = loss_of(config.loss, scores[check_at].log_softmax(-1), target[check_at], evictable).item()
     lost = lost_attention(

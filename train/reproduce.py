@@ -253,6 +253,15 @@ def finetune_fit_config(traces: Path, out: Path, start: Path, model: str = "smol
     )
 
 
+def evaluate_into_card(traces: Path, report: Path, splits: list[str], policy_dir: Path) -> None:
+    """Steps 3 and 4's eviction cost on the held-out ``splits``, recorded in the policy's card."""
+    run_evaluation(
+        EvaluateConfig(
+            str(traces), str(report), split="+".join(splits), policy=[str(policy_dir)], record=True
+        )
+    )
+
+
 def ship(policy_dir: Path, model: str = "smollm2") -> None:
     """Step 6: copy the policy, and its calibration where it has one, into the package."""
     target = POLICIES_DIR / RECIPES[model].shipped_name
@@ -277,11 +286,7 @@ def reproduce_command(args: argparse.Namespace) -> None:
     report.mkdir(parents=True, exist_ok=True)
     shutil.copy(fit_dir / "training_curves.png", report / "training_curves.png")
     val_splits = [c.val_name for c in collections]
-    run_evaluation(
-        EvaluateConfig(
-            str(traces), str(report), split="+".join(val_splits), policy=[str(policy_dir)], record=True
-        )
-    )
+    evaluate_into_card(traces, report, val_splits, policy_dir)
     for split in val_splits:  # downstream rebuilds examples from one collection's settings
         run_downstream(DownstreamConfig(str(traces), str(report), split=split, policy=[f"kvp={policy_dir}"]))
     if recipe.finetune is not None:
@@ -291,15 +296,7 @@ def reproduce_command(args: argparse.Namespace) -> None:
             (collect_decode if isinstance(config, DecodeCollectConfig) else collect)(config)
         policy_dir = fit(finetune_fit_config(tune_traces, run_dir / "finetune", policy_dir, args.model))
         prefill_val = [c.val_name for c in tune_collections if isinstance(c, CollectConfig)]
-        run_evaluation(
-            EvaluateConfig(
-                str(tune_traces),
-                str(report / "finetune"),
-                split="+".join(prefill_val),
-                policy=[str(policy_dir)],
-                record=True,
-            )
-        )
+        evaluate_into_card(tune_traces, report / "finetune", prefill_val, policy_dir)
     if recipe.calibrated:
         out = run_dir / "calibrate"
         calibrate(
