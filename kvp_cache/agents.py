@@ -106,8 +106,12 @@ class StackedLinear(nn.Module):
     def forward(self, x: Tensor, batch: int = 1, centered: bool = False) -> Tensor:
         """``[batch * heads, n, in]`` -> ``[batch * heads, n, out]``; ``centered``: minus the mean over outputs."""
         weight, bias = self.centered_parameters() if centered else (self.weight, self.bias)
+        weight, bias = _per_batch(weight, batch), _per_batch(bias, batch)[:, None, :]
+        if weight.shape[-1] == 1:
+            # One output is a dot product per row: bmm runs it 5x slower on CPU than this.
+            return (x * weight.transpose(1, 2)).sum(-1, keepdim=True).add_(bias)
         # Adding the bias afterwards beats baddbmm's broadcast copy of it into the output.
-        return torch.bmm(x, _per_batch(weight, batch)).add_(_per_batch(bias, batch)[:, None, :])
+        return torch.bmm(x, weight).add_(bias)
 
 
 class StackedLayerNorm(nn.Module):

@@ -21,8 +21,9 @@ first ``sink_tokens`` and last ``window_tokens`` tokens, clipped to ``k`` as the
 and at least ``min_per_head`` entries; its kept set is always its top entries by score.
 
 :func:`head_counts` is the batched core, over padded ``[batch, kv_heads, entries]`` scores whose
-heads may hold different entries (a cache that already allocated adaptively): ``KVPCache`` calls
-it at every eviction with ``allocation="layer" | "head"``; :func:`allocate` is the one-prompt form.
+heads may hold different entries (a cache that already allocated adaptively), and
+:func:`top_entries` picks each head's kept entries: ``KVPCache`` calls them at every eviction with
+``allocation="layer" | "head"``; :func:`allocate` is the one-prompt form.
 """
 
 from __future__ import annotations
@@ -81,54 +82,68 @@ def allocate(
     protected = [
         protected_entries(positions, valid.sum(-1), per_head, sinks, window).expand_as(s) for s in padded
     ]
-    ranks = [entry_ranks(s, valid.expand_as(s), p) for s, p in zip(padded, protected, strict=True)]
-    counts = head_counts(padded, ranks, [p.sum(-1) for p in protected], per_head, mode, min_per_head)
-    return {layer: (r < c[..., None])[0] for layer, r, c in zip(layers, ranks, counts, strict=True)}
+    valid = [valid.expand_as(s) for s in padded]
+    counts = head_counts(padded, valid, protected, per_head, mode, min_per_head)
+    return {
+        layer: top_entries(s, v, p, c)[0]
+        for layer, s, v, p, c in zip(layers, padded, valid, protected, counts, strict=True)
+    }
 
 
-def entry_ranks(scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-    """Each entry's rank within its head, ``[batch, kv_heads, entries]`` long (0 = kept first):
-    protected entries first, then valid ones by score, then invalid ones; a head keeping ``c``
-    entries keeps those of rank ``< c``. All three arguments are ``[batch, kv_heads, entries]``."""
-    tier = protected.long() * 2 + valid.long()  # 3 protected, 1 valid, 0 invalid
-    by_score = scores.float().nan_to_num(nan=-math.inf).argsort(dim=-1, descending=True, stable=True)
-    order = by_score.gather(-1, tier.gather(-1, by_score).argsort(dim=-1, descending=True, stable=True))
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return ranks
+def top_entries(
+    scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """The first ``counts[row, head]`` entries of each head, bool ``[batch, kv_heads, entries]``, in
+    the order every allocation keeps them: protected entries by score, then the other valid ones
+    by score, then invalid ones; ties go to the lower index, NaN scores last within their tier.
+
+    scores, valid, protected: ``[batch, kv_heads, entries]``; counts: ``[batch, kv_heads]`` long.
+    Two :func:`largest` passes (a ``topk`` each) instead of sorting every head.
+    """
+    lowest = torch.finfo(torch.float32).min
+    # Finite scores rank every valid entry above the invalid ones (-inf), whatever it scored.
+    ranked = scores.float().nan_to_num(nan=lowest).clamp(min=lowest)
+    from_protected = torch.minimum(counts, protected.sum(-1))
+    return _largest_per_head(ranked.masked_fill(~protected, -math.inf), from_protected) | _largest_per_head(
+        ranked.masked_fill(protected | ~valid, -math.inf), counts - from_protected
+    )
+
+
+def _largest_per_head(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`largest` of every head: ``values`` ``[batch, kv_heads, entries]``, ``counts`` ``[batch, kv_heads]``."""
+    return largest(values.flatten(0, 1), counts.flatten()).view_as(values)
 
 
 def head_counts(
     scores: list[torch.Tensor],
-    ranks: list[torch.Tensor],
+    valid: list[torch.Tensor],
     protected: list[torch.Tensor],
     per_head: torch.Tensor,
     mode: str,
     min_per_head: int | None = None,
-    available: list[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Entries each head keeps, one ``[batch, kv_heads]`` long tensor per layer.
 
-    scores: per layer ``[batch, kv_heads, entries]``, comparable across heads and layers;
-    ranks: per layer, :func:`entry_ranks` of them; protected: per layer ``[batch, kv_heads]``, the
-    protected entries of each head; per_head: ``[batch]``, what every head keeps under a uniform
-    budget, so each row keeps ``per_head * heads`` in all (or everything it has, if less);
-    available: per layer ``[batch, kv_heads]`` valid entries (None: every entry is valid).
+    scores, valid, protected: per layer ``[batch, kv_heads, entries]``: scores comparable across
+    heads and layers, which entries are real, which are the head's protected sinks and window;
+    per_head: ``[batch]``, what every head keeps under a uniform budget, so each row keeps
+    ``per_head * heads`` in all (or everything it has, if less). Each head keeps its entries in
+    :func:`top_entries`' order.
     """
-    if available is None:
-        available = [torch.full(s.shape[:2], s.shape[-1], device=s.device) for s in scores]
+    available = [v.sum(-1) for v in valid]
     per_head = per_head.to(scores[0].device)
     if mode == "uniform":
         return [torch.minimum(per_head[:, None], a) for a in available]
+    protected_counts = [p.sum(-1) for p in protected]
     if min_per_head is None:
-        floors = [torch.minimum(p + MIN_EXTRA_PER_HEAD, per_head[:, None]) for p in protected]
+        floors = [torch.minimum(p + MIN_EXTRA_PER_HEAD, per_head[:, None]) for p in protected_counts]
     else:
         if bool((per_head < min_per_head).any()):
             raise ValueError(
                 f"min_per_head ({min_per_head}) exceeds the per-head budget ({int(per_head.min())} entries "
                 "at this budget and prompt length); lower min_per_head or raise the budget"
             )
-        floors = [torch.clamp(p, min=min_per_head) for p in protected]
+        floors = [torch.clamp(p, min=min_per_head) for p in protected_counts]
     floors = [torch.minimum(f, a) for f, a in zip(floors, available, strict=True)]
     heads = sum(s.shape[1] for s in scores)
     total = torch.minimum(per_head * heads, sum(a.sum(-1) for a in available))
@@ -139,9 +154,9 @@ def head_counts(
             s.float()
             .nan_to_num(nan=-math.inf)
             .clamp(min=torch.finfo(torch.float32).min)
-            .masked_fill((r < f[..., None]) | (r >= a[..., None]), -math.inf)
+            .masked_fill(top_entries(s, v, p, f) | ~v, -math.inf)
             .flatten(1)
-            for s, r, f, a in zip(scores, ranks, floors, available, strict=True)
+            for s, v, p, f in zip(scores, valid, protected, floors, strict=True)
         ],
         dim=1,
     )
@@ -152,7 +167,7 @@ def head_counts(
         counts.append(f + chosen[:, start : start + size].view_as(s).sum(-1))
         start += size
     if mode == "layer":
-        counts = [_even_split(s, r, c) for s, r, c in zip(scores, ranks, counts, strict=True)]
+        counts = [_even_split(*args) for args in zip(scores, valid, protected, counts, strict=True)]
     return counts
 
 
@@ -185,14 +200,20 @@ def _check_scores(scores: dict[int, torch.Tensor]) -> int:
     return next(iter(shapes.values()))[1]
 
 
-def _even_split(scores: torch.Tensor, ranks: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _even_split(
+    scores: torch.Tensor, valid: torch.Tensor, protected: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """``counts`` ``[batch, kv_heads]``'s row totals split evenly over the heads; the remainder goes
     one entry each to the heads whose best entry beyond the even share scores highest."""
     heads = scores.shape[1]
     total = counts.sum(-1)
     share, remainder = total // heads, total % heads
-    # A remainder means the layer does not keep every entry of every head, so rank ``share`` exists.
-    next_best = scores.float().masked_fill(ranks != share[:, None, None], -math.inf).amax(-1)
+    # A remainder means the layer does not keep every entry of every head, so each head has a next
+    # entry: among its protected ones left, if any, else among its other valid ones.
+    left = valid & ~top_entries(scores, valid, protected, share[:, None].expand(-1, heads))
+    left_protected = left & protected
+    pool = torch.where(left_protected.any(-1, keepdim=True), left_protected, left)
+    next_best = scores.float().nan_to_num(nan=-math.inf).masked_fill(~pool, -math.inf).amax(-1)
     order = next_best.argsort(dim=-1, descending=True, stable=True)
     extra = torch.zeros_like(counts).scatter_(
         -1, order, (torch.arange(heads, device=counts.device) < remainder[:, None]).long()

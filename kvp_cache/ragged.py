@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvp_cache.budget import protected_entries
-from kvp_cache.cache import EvictingLayer
+from kvp_cache.cache import EvictingLayer, take_slots
 from kvp_cache.capture import append_queries, drop_last_queries
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class RaggedLayer(EvictingLayer):
     def _pack(self, pieces: dict[str, list[torch.Tensor]], lengths: list[int]) -> None:
         """Each field of ``pieces`` becomes the concatenation of its pieces; heads get ``lengths``."""
         for name, tensors in pieces.items():
-            setattr(self, name, torch.cat(tensors, dim=1))
+            setattr(self, name, torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0])
         self.lengths = lengths
 
     def _fields(self) -> list[str]:
@@ -106,12 +106,17 @@ class RaggedLayer(EvictingLayer):
         if self.positions is not None:
             logical = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
             new["positions"] = logical.expand(b, h, q)
-        # One concatenation per field: each head's slots, then its new ones.
-        pieces = {
-            name: [piece for i, old in enumerate(self.heads(name)) for piece in (old, added[:, i])]
-            for name, added in new.items()
-        }
-        self._pack(pieces, [n + q for n in self.lengths])
+        if any(self.lengths):
+            # One concatenation per field: each head's slots, then its new ones.
+            pieces = {
+                name: [piece for i, old in enumerate(self.heads(name)) for piece in (old, added[:, i])]
+                for name, added in new.items()
+            }
+            self._pack(pieces, [n + q for n in self.lengths])
+        else:
+            # Nothing held: the new states, head after head, are the packed layout (a view, no copy
+            # of a whole prompt; the cache never writes into them).
+            self._pack({name: [added.flatten(1, 2)] for name, added in new.items()}, [q] * h)
         self.seen_real = self.seen_real + new_real.sum(-1)
         self.cumulative_length += q
         self.appended_since_eviction += q
@@ -184,32 +189,29 @@ class RaggedLayer(EvictingLayer):
         for i, tail in enumerate(tails):
             self.scores[:, tail] = scores[:, i]
 
-    def keep(self, counts: torch.Tensor, ranks: torch.Tensor) -> None:
-        """Keep the ``counts[row, h]`` entries of rank ``< counts`` in each head, in their order.
+    def keep(self, chosen: torch.Tensor) -> None:
+        """Keep the ``chosen`` entries of each head, in their order.
 
-        counts: ``[batch, kv_heads]``, never above a head's valid entries; ranks: ``[batch, kv_heads,
-        max lengths]`` from :func:`kvp_cache.allocation.entry_ranks` (valid entries first). A row
-        keeping fewer than its head's longest row ends that head with invalid filler slots."""
+        chosen: bool ``[batch, kv_heads, max lengths]``, only valid entries (from
+        :func:`kvp_cache.allocation.top_entries`). A row keeping fewer than its head's longest row
+        ends that head with invalid filler slots."""
         self.appended_since_eviction = 0
         self.pending_forward = 0
+        kept = chosen.sum(-1)
         indices, valid, lengths = [], [], []
         for i, where in enumerate(self.head_slices()):
-            kept = counts[:, i]
-            slots = int(kept.max())
-            chosen = ranks[:, i, : where.stop - where.start] < kept[:, None]
-            order = (
-                (~chosen).to(torch.uint8).argsort(dim=-1, stable=True)[:, :slots]
-            )  # chosen first, in order
-            indices.append(order + where.start)
-            valid.append(torch.arange(slots, device=self.device)[None, :] < kept[:, None])
+            slots = int(kept[:, i].max())
+            # Chosen slots first, in order: a stable sort of one byte per entry.
+            order = (~chosen[:, i, : where.stop - where.start]).to(torch.uint8).argsort(dim=-1, stable=True)
+            indices.append(order[:, :slots] + where.start)
+            valid.append(torch.arange(slots, device=self.device)[None, :] < kept[:, i, None])
             lengths.append(slots)
         index = torch.cat(indices, dim=1)
         for name in self._fields():
             if name == "valid":  # rebuilt below: kept slots first, fillers after
                 continue
             packed = getattr(self, name)
-            gather = index if packed.dim() == 2 else index[..., None].expand(-1, -1, packed.shape[-1])
-            setattr(self, name, packed.gather(1, gather))
+            setattr(self, name, packed.gather(1, index) if packed.dim() == 2 else take_slots(packed, index))
         self.valid = torch.cat(valid, dim=1)
         self.lengths = lengths
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, allocate, largest
+from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, allocate, largest, top_entries
 
 
 def random_scores(layers=3, heads=2, tokens=64, seed=0) -> dict[int, torch.Tensor]:
@@ -129,3 +129,23 @@ def test_largest_takes_what_a_stable_descending_sort_takes_first():
     expected.scatter_(-1, order, torch.arange(40) < counts[:, None])
     assert torch.equal(largest(values, counts), expected)
     assert not largest(values, torch.zeros(5, dtype=torch.long)).any()
+
+
+def test_top_entries_takes_protected_then_valid_entries_as_a_stable_sort_does():
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (2, 3, 40), generator=generator).float()  # many ties
+    scores[0, 1, :6] = -math.inf
+    scores[1, 2, 3:9] = math.nan
+    valid = torch.rand(2, 3, 40, generator=generator) > 0.2
+    protected = valid & (torch.rand(2, 3, 40, generator=generator) > 0.7)
+    available, protected_counts = valid.sum(-1), protected.sum(-1)
+    # Per head: none, part of the protected entries, all of them and more, every valid entry.
+    counts = torch.stack(
+        [torch.zeros_like(available), protected_counts // 2, protected_counts + 3, available]
+    )
+    tier = protected.long() * 2 + valid.long()
+    by_score = scores.nan_to_num(nan=-math.inf).argsort(dim=-1, descending=True, stable=True)
+    order = by_score.gather(-1, tier.gather(-1, by_score).argsort(dim=-1, descending=True, stable=True))
+    for count in counts:
+        expected = torch.zeros_like(valid).scatter_(-1, order, torch.arange(40) < count[..., None])
+        assert torch.equal(top_entries(scores, valid, protected, count), expected)
