@@ -24,6 +24,7 @@ the cache needs from the model (padding, queries, the mask rewrite) comes throug
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -419,7 +420,7 @@ def take_slots(states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``states`` ``[..., slots, head_dim]`` at ``index`` ``[..., k]`` along the slot axis: ``[..., k,
     head_dim]``. One ``index_select`` of whole rows: ``gather`` runs 5x slower on CPU."""
     *lead, n, d = states.shape
-    rows = torch.arange(index[..., 0].numel(), device=index.device).view(*lead, 1) * n
+    rows = torch.arange(math.prod(lead), device=index.device).view(*lead, 1) * n
     return states.reshape(-1, d).index_select(0, (index + rows).reshape(-1)).view(*lead, -1, d)
 
 

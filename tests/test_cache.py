@@ -19,7 +19,7 @@ from reference import (
 from transformers import DynamicCache
 
 from kvp_cache import KVPCache, available_methods
-from kvp_cache.cache import EvictingLayer
+from kvp_cache.cache import EvictingLayer, take_slots
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.prefill import prefill
 from kvp_cache.scorers import SCORERS, Scorer, methods
@@ -355,3 +355,13 @@ def test_cache_accepts_an_unregistered_scorer_instance():
     check_generate_against_reference(model, ids(length=30), cache)
     assert cache.evicting_layers[0].positions[0, 0, :12].tolist() == list(range(12))
     assert cache.method == "OldestFirst" and "OldestFirst" not in methods()
+
+
+def test_take_slots_is_a_gather_along_the_slot_axis():
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 10, 3, 4, generator=generator).transpose(1, 2)  # not contiguous
+    index = torch.randint(0, 10, (2, 3, 5), generator=generator)
+    assert torch.equal(take_slots(states, index), states.gather(2, index[..., None].expand(-1, -1, -1, 4)))
+    packed, rows = states[:, 0], index[:, 0]  # a ragged layer's [batch, slots, head_dim]
+    assert torch.equal(take_slots(packed, rows), packed.gather(1, rows[..., None].expand(-1, -1, 4)))
+    assert take_slots(states, index[..., :0]).shape == (2, 3, 0, 4)
