@@ -31,7 +31,10 @@ global ranking carries over to scores a cache can compute. ``kvp`` softmaxes the
 over each head's prompt (its ListNet training makes that each entry's estimated share of its head's
 importance); ``kvp_raw`` leaves them raw; ``kvp_calibrated`` and the baselines use the values the
 cache's adaptive allocation ranks, :meth:`Scorer.cross_head_scores` (for ``kvp``, the policy's
-calibration, ``python -m train calibrate``).
+calibration, ``python -m train calibrate``). ``kvp_oracle_counts`` splits the two decisions: the
+oracle's allocation sets how many entries each head keeps, the policy's ranking picks them, so its
+``uniform`` rows are plain KVP's and its ``head`` rows tell how much of the oracle's allocation gain
+the policy's ranking keeps.
 
 Records go to ``<out>/headroom_<model>[_<scores>][_<tag>].jsonl`` as they finish (a rerun reuses
 those made with the same settings and tokens); the summary to ``headroom_<model>[_<scores>][_<tag>]
@@ -89,6 +92,7 @@ ALL = "all"
 REFERENCE = "uniform"
 """The allocation every other one is compared with, example by example."""
 ORACLE = "oracle"
+ORACLE_COUNTS = "kvp_oracle_counts"
 SCORE_KINDS = {
     ORACLE: "the oracle (the gold future's attention mass to each entry)",
     "kvp": "the learned policy's scores, softmaxed over each head's prompt tokens (each entry's "
@@ -101,6 +105,8 @@ SCORE_KINDS = {
     "tova": "TOVA's scores (the last prompt query's attention, averaged over each layer's heads)",
     "h2o": "H2O's scores (the prompt queries' accumulated attention, per query)",
     "expected_attention": "Expected Attention's scores (expected future attention times ||v||)",
+    ORACLE_COUNTS: "the oracle's allocation (how many entries each head keeps) with the learned "
+    "policy's ranking inside each head: what KVP's ranking loses under a perfect allocation",
 }
 """What drives the allocation (``--scores``): every kind is computed on the same prefill."""
 SCORER_OF = {
@@ -111,6 +117,7 @@ SCORER_OF = {
     "tova": "tova",
     "h2o": "h2o",
     "expected_attention": "expected_attention",
+    ORACLE_COUNTS: "kvp",
 }
 """The registered method behind each non-oracle score kind; the kinds other than ``kvp`` and
 ``kvp_raw`` rank the scorer's :meth:`~kvp_cache.scorers.Scorer.cross_head_scores`."""
@@ -303,7 +310,7 @@ def entry_scores(
 
     A scorer sees what ``KVPCache.from_prefill`` gives it: the prompt's keys and values, positions
     ``0..tokens-1`` and, if it needs them, the last ``query_window`` prompt queries."""
-    if kind == ORACLE:
+    if kind in (ORACLE, ORACLE_COUNTS):  # ORACLE_COUNTS: the oracle allocates, the policy picks
         return oracle_scorer(model, prefilled, future_ids).importance
     positions = torch.arange(prefilled.input_ids.shape[1], device=prefilled.input_ids.device)[None]
     scores = {}
@@ -335,6 +342,11 @@ def measure(model, tokenizer, example: Example, config: HeadroomConfig, scorer: 
     prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
     future = example.question_ids + example.future_ids
     importance = entry_scores(config.scores, scorer, model, prefilled, future)
+    # Which entries each head keeps, once the allocation set how many: the allocation's own scores,
+    # or for ORACLE_COUNTS the policy's.
+    ranking = (
+        entry_scores("kvp_raw", scorer, model, prefilled, future) if config.scores == ORACLE_COUNTS else None
+    )
     text = example.sample is None
     budgets = config.text_budgets if text else config.needle_budgets
 
@@ -358,7 +370,13 @@ def measure(model, tokenizer, example: Example, config: HeadroomConfig, scorer: 
     for budget in budgets:
         for mode in MODES:
             kept = allocate(
-                importance, budget, mode, config.min_per_head, config.sink_tokens, config.window_tokens
+                importance,
+                budget,
+                mode,
+                config.min_per_head,
+                config.sink_tokens,
+                config.window_tokens,
+                ranking=ranking,
             )
             answers[budget_key(mode, budget)] = run(kept)
             if mode == "head":

@@ -55,6 +55,7 @@ def allocate(
     min_per_head: int | None = None,
     sink_tokens: int = 4,
     window_tokens: int = 16,
+    ranking: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
     """The kept entries of every layer: ``{layer_idx: bool [kv_heads, tokens]}``.
 
@@ -66,6 +67,10 @@ def allocate(
     min_per_head: entries every head keeps at least (``"head"`` and ``"layer"``), protected ones
         included, from 1 up to the per-head budget; None: the protected entries plus
         :data:`MIN_EXTRA_PER_HEAD`, capped at the per-head budget.
+    ranking: scores of the same shapes that pick each head's entries once ``scores`` have set how
+        many it keeps (None: ``scores`` pick them too); any scale, only each head's order counts.
+        It separates an allocation's two decisions, for example the oracle's counts with a
+        policy's ranking (``python -m eval.headroom --scores kvp_oracle_counts``).
     """
     validate_mode(mode)
     budget = validate_budget(budget)
@@ -74,6 +79,10 @@ def allocate(
     if min_per_head is not None:
         validate_count("min_per_head", min_per_head, 1)
     tokens = _check_scores(scores)
+    if ranking is not None and (
+        set(ranking) != set(scores) or any(ranking[k].shape != scores[k].shape for k in scores)
+    ):
+        raise ValueError("ranking must hold a tensor of the scores' shape for every layer of scores")
     per_head = kept_per_row(budget, torch.tensor([tokens]))
     positions = torch.arange(tokens).expand(1, 1, tokens)
     valid = torch.ones(1, 1, tokens, dtype=torch.bool)
@@ -84,9 +93,10 @@ def allocate(
     ]
     valid = [valid.expand_as(s) for s in padded]
     counts = head_counts(padded, valid, protected, per_head, mode, min_per_head)
+    picking = padded if ranking is None else [ranking[layer].float()[None] for layer in layers]
     return {
         layer: top_entries(s, v, p, c)[0]
-        for layer, s, v, p, c in zip(layers, padded, valid, protected, counts, strict=True)
+        for layer, s, v, p, c in zip(layers, picking, valid, protected, counts, strict=True)
     }
 
 

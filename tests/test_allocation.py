@@ -149,3 +149,20 @@ def test_top_entries_takes_protected_then_valid_entries_as_a_stable_sort_does():
     for count in counts:
         expected = torch.zeros_like(valid).scatter_(-1, order, torch.arange(40) < count[..., None])
         assert torch.equal(top_entries(scores, valid, protected, count), expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_ranking_picks_the_entries_the_scores_allocate(mode):
+    scores = random_scores(layers=2, heads=3, tokens=50)
+    ranking = random_scores(layers=2, heads=3, tokens=50, seed=1)
+    protected = dict(sink_tokens=2, window_tokens=3)
+    kept = allocate(scores, 0.2, mode, **protected, ranking=ranking)
+    assert counts(kept) == counts(allocate(scores, 0.2, mode, **protected))
+    forced = torch.zeros(50, dtype=torch.bool)
+    forced[:2] = forced[-3:] = True
+    for layer, mask in kept.items():
+        for head, row in enumerate(mask):
+            best = ranking[layer][head].masked_fill(forced, -math.inf).topk(int(row.sum()) - 5).indices
+            assert torch.equal(row, forced.clone().index_fill_(0, best, True))
+    with pytest.raises(ValueError, match="ranking must hold a tensor of the scores' shape"):
+        allocate(scores, 0.2, mode, ranking={0: ranking[0]})

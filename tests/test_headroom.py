@@ -129,6 +129,8 @@ def test_every_score_kind_scores_every_evicting_head():
     for kind, by_layer in scores.items():
         assert list(by_layer) == evicting_layer_indices(model.config), kind
         assert all(s.shape == (heads, PROMPT) and s.dtype == torch.float32 for s in by_layer.values()), kind
+    for layer, importance in scores["oracle"].items():  # the oracle allocates, the policy only picks
+        assert torch.equal(scores["kvp_oracle_counts"][layer], importance)
     policy = scorer_of("kvp", model)  # the same seed: the same policy as above
     raw = entry_scores("kvp_raw", policy, model, prefilled, [])
     for layer, shares in entry_scores("kvp", policy, model, prefilled, []).items():
