@@ -110,13 +110,18 @@ def top_entries(
     scores, valid, protected: ``[batch, kv_heads, entries]``; counts: ``[batch, kv_heads]`` long.
     Two :func:`largest` passes (a ``topk`` each) instead of sorting every head.
     """
-    lowest = torch.finfo(torch.float32).min
-    # Finite scores rank every valid entry above the invalid ones (-inf), whatever it scored.
-    ranked = scores.float().nan_to_num(nan=lowest).clamp(min=lowest)
+    ranked = finite_scores(scores)
     from_protected = torch.minimum(counts, protected.sum(-1))
     return _largest_per_head(ranked.masked_fill(~protected, -math.inf), from_protected) | _largest_per_head(
         ranked.masked_fill(protected | ~valid, -math.inf), counts - from_protected
     )
+
+
+def finite_scores(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` as float32 with NaN and -inf raised to the lowest finite value, so that masking
+    with -inf afterwards ranks every entry left unmasked above every masked one, whatever it scored."""
+    lowest = torch.finfo(torch.float32).min
+    return scores.float().nan_to_num(nan=lowest).clamp(min=lowest)
 
 
 def _largest_per_head(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -160,12 +165,7 @@ def head_counts(
     need = total - sum(f.sum(-1) for f in floors)  # [batch]
     candidates = torch.cat(
         [
-            # Candidates stay finite and above every non-candidate, even where a score is -inf.
-            s.float()
-            .nan_to_num(nan=-math.inf)
-            .clamp(min=torch.finfo(torch.float32).min)
-            .masked_fill(top_entries(s, v, p, f) | ~v, -math.inf)
-            .flatten(1)
+            finite_scores(s).masked_fill(top_entries(s, v, p, f) | ~v, -math.inf).flatten(1)
             for s, v, p, f in zip(scores, valid, protected, floors, strict=True)
         ],
         dim=1,

@@ -78,7 +78,7 @@ class RaggedLayer(EvictingLayer):
     def _pack(self, pieces: dict[str, list[torch.Tensor]], lengths: list[int]) -> None:
         """Each field of ``pieces`` becomes the concatenation of its pieces; heads get ``lengths``."""
         for name, tensors in pieces.items():
-            setattr(self, name, torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0])
+            setattr(self, name, torch.cat(tensors, dim=1))
         self.lengths = lengths
 
     def _fields(self) -> list[str]:
@@ -116,7 +116,9 @@ class RaggedLayer(EvictingLayer):
         else:
             # Nothing held: the new states, head after head, are the packed layout (a view, no copy
             # of a whole prompt; the cache never writes into them).
-            self._pack({name: [added.flatten(1, 2)] for name, added in new.items()}, [q] * h)
+            for name, added in new.items():
+                setattr(self, name, added.flatten(1, 2))
+            self.lengths = [q] * h
         self.seen_real = self.seen_real + new_real.sum(-1)
         self.cumulative_length += q
         self.appended_since_eviction += q
