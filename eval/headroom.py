@@ -34,7 +34,9 @@ cache's adaptive allocation ranks, :meth:`Scorer.cross_head_scores` (for ``kvp``
 calibration, ``python -m train calibrate``). ``kvp_oracle_counts`` splits the two decisions: the
 oracle's allocation sets how many entries each head keeps, the policy's ranking picks them, so its
 ``uniform`` rows are plain KVP's and its ``head`` rows tell how much of the oracle's allocation gain
-the policy's ranking keeps.
+the policy's ranking keeps. ``kvp_oracle_weights`` keeps the calibrated shape of each head's shares
+but gives the head the oracle's weight in this prompt: how much a prompt-dependent head weight could
+recover of what the counts lose.
 
 Records go to ``<out>/headroom_<model>[_<scores>][_<tag>].jsonl`` as they finish (a rerun reuses
 those made with the same settings and tokens); the summary to ``headroom_<model>[_<scores>][_<tag>]
@@ -81,6 +83,7 @@ from kvp_cache.prefill import Prefill, prefill
 from kvp_cache.provenance import portable_argument, portable_config, provenance
 from kvp_cache.scorers import Scorer, make_scorer
 from kvp_cache.tables import markdown_table
+from kvp_cache.targets import evictable_only
 from train.calibrate import corpus_windows
 from train.collect import greedy_continue, parse_windows, uses_chat
 from train.data import Example, interleave, synthetic_examples
@@ -93,6 +96,7 @@ REFERENCE = "uniform"
 """The allocation every other one is compared with, example by example."""
 ORACLE = "oracle"
 ORACLE_COUNTS = "kvp_oracle_counts"
+ORACLE_WEIGHTS = "kvp_oracle_weights"
 SCORE_KINDS = {
     ORACLE: "the oracle (the gold future's attention mass to each entry)",
     "kvp": "the learned policy's scores, softmaxed over each head's prompt tokens (each entry's "
@@ -107,6 +111,8 @@ SCORE_KINDS = {
     "expected_attention": "Expected Attention's scores (expected future attention times ||v||)",
     ORACLE_COUNTS: "the oracle's allocation (how many entries each head keeps) with the learned "
     "policy's ranking inside each head: what KVP's ranking loses under a perfect allocation",
+    ORACLE_WEIGHTS: "the calibrated policy's shares with each head's weight replaced by the oracle's "
+    "evictable mass of that head in this prompt: what a perfect prompt-dependent head weight gives",
 }
 """What drives the allocation (``--scores``): every kind is computed on the same prefill."""
 SCORER_OF = {
@@ -118,6 +124,7 @@ SCORER_OF = {
     "h2o": "h2o",
     "expected_attention": "expected_attention",
     ORACLE_COUNTS: "kvp",
+    ORACLE_WEIGHTS: "kvp",
 }
 """The registered method behind each non-oracle score kind; the kinds other than ``kvp`` and
 ``kvp_raw`` rank the scorer's :meth:`~kvp_cache.scorers.Scorer.cross_head_scores`."""
@@ -179,7 +186,7 @@ class HeadroomConfig:
         if self.scores != ORACLE:  # added only here, so the oracle's existing records stay valid
             policy = load_policy(self.policy) if SCORER_OF[self.scores] == "kvp" else None
             keys.update(scores=self.scores, policy=policy.weights_sha256 if policy else None)
-            if self.scores == "kvp_calibrated":  # likewise for the kvp runs made before calibration
+            if self.scores in ("kvp_calibrated", ORACLE_WEIGHTS):  # not in the uncalibrated kinds' older runs
                 keys.update(calibration=policy.calibration_sha256)
         return digest(keys)
 
@@ -303,15 +310,32 @@ def score_source(config: HeadroomConfig) -> Scorer | None:
 
 @torch.no_grad()
 def entry_scores(
-    kind: str, scorer: Scorer | None, model, prefilled: Prefill, future_ids: list[int]
+    kind: str,
+    scorer: Scorer | None,
+    model,
+    prefilled: Prefill,
+    future_ids: list[int],
+    sink_tokens: int = 4,
+    window_tokens: int = 16,
 ) -> dict[int, torch.Tensor]:
     """``{layer: float32 [kv_heads, prompt_tokens]}`` of every evicting layer for score ``kind``
     (:data:`SCORE_KINDS`) of one prefilled prompt (batch 1); ``scorer`` from :func:`score_source`.
 
     A scorer sees what ``KVPCache.from_prefill`` gives it: the prompt's keys and values, positions
-    ``0..tokens-1`` and, if it needs them, the last ``query_window`` prompt queries."""
+    ``0..tokens-1`` and, if it needs them, the last ``query_window`` prompt queries. The protected
+    tokens only matter to ``kvp_oracle_weights``, whose head weights are the oracle's mass outside them."""
     if kind in (ORACLE, ORACLE_COUNTS):  # ORACLE_COUNTS: the oracle allocates, the policy picks
         return oracle_scorer(model, prefilled, future_ids).importance
+    if kind == ORACLE_WEIGHTS:
+        oracle = oracle_scorer(model, prefilled, future_ids).importance
+        calibrated = entry_scores("kvp_calibrated", scorer, model, prefilled, future_ids)
+        weight = {
+            layer: evictable_only(oracle[layer], sink_tokens, window_tokens).sum(-1) for layer in oracle
+        }
+        return {
+            layer: shares / shares.sum(-1, keepdim=True) * weight[layer][:, None]
+            for layer, shares in calibrated.items()
+        }
     positions = torch.arange(prefilled.input_ids.shape[1], device=prefilled.input_ids.device)[None]
     scores = {}
     for layer in evicting_layer_indices(model.config):
@@ -341,7 +365,9 @@ def measure(model, tokenizer, example: Example, config: HeadroomConfig, scorer: 
     device = next(model.parameters()).device
     prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
     future = example.question_ids + example.future_ids
-    importance = entry_scores(config.scores, scorer, model, prefilled, future)
+    importance = entry_scores(
+        config.scores, scorer, model, prefilled, future, config.sink_tokens, config.window_tokens
+    )
     # Which entries each head keeps, once the allocation set how many: the allocation's own scores,
     # or for ORACLE_COUNTS the policy's.
     ranking = (

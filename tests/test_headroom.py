@@ -36,6 +36,7 @@ from kvp_cache.policy import Calibration
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import portable_config
 from kvp_cache.scorers import make_scorer
+from kvp_cache.targets import evictable_only
 
 PROMPT, FUTURE = 40, 9
 
@@ -111,7 +112,7 @@ def scorer_of(kind: str, model):
     if SCORER_OF[kind] != "kvp":
         return make_scorer(SCORER_OF[kind])
     policy = tiny_policy(model)
-    if kind == "kvp_calibrated":
+    if kind in ("kvp_calibrated", "kvp_oracle_weights"):
         shape = (len(policy.layer_indices), policy.num_kv_heads)
         policy.calibration = Calibration(
             torch.linspace(0.5, 2, shape[0] * shape[1]).view(shape), 3 * torch.ones(shape)
@@ -143,6 +144,11 @@ def test_every_score_kind_scores_every_evicting_head():
         )
         torch.testing.assert_close(values, expected[0])
         torch.testing.assert_close(values.sum(-1), torch.full((heads,), 3.0))  # the weight, not 1
+        # The oracle's weights keep the calibrated shape and give each head its evictable oracle mass.
+        reweighted = scores["kvp_oracle_weights"][layer]
+        mass = evictable_only(scores["oracle"][layer], 4, 16).sum(-1)
+        torch.testing.assert_close(reweighted.sum(-1), mass)
+        torch.testing.assert_close(reweighted / mass[:, None], values / 3.0)
 
 
 def fake_summary(shift: float, layers: int = 30) -> dict:
