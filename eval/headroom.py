@@ -36,7 +36,8 @@ oracle's allocation sets how many entries each head keeps, the policy's ranking 
 ``uniform`` rows are plain KVP's and its ``head`` rows tell how much of the oracle's allocation gain
 the policy's ranking keeps. ``kvp_oracle_weights`` keeps the calibrated shape of each head's shares
 but gives the head the oracle's weight in this prompt: how much a prompt-dependent head weight could
-recover of what the counts lose.
+recover of what the counts lose; ``kvp_window_weights`` takes that weight from the attention of the
+prompt's last queries instead (:func:`window_attention`), one a cache could compute.
 
 Records go to ``<out>/headroom_<model>[_<scores>][_<tag>].jsonl`` as they finish (a rerun reuses
 those made with the same settings and tokens); the summary to ``headroom_<model>[_<scores>][_<tag>]
@@ -82,6 +83,7 @@ from kvp_cache.policy import load_policy
 from kvp_cache.prefill import Prefill, prefill
 from kvp_cache.provenance import portable_argument, portable_config, provenance
 from kvp_cache.scorers import Scorer, make_scorer
+from kvp_cache.scorers.base import grouped_attention
 from kvp_cache.tables import markdown_table
 from kvp_cache.targets import evictable_only
 from train.calibrate import corpus_windows
@@ -97,6 +99,9 @@ REFERENCE = "uniform"
 ORACLE = "oracle"
 ORACLE_COUNTS = "kvp_oracle_counts"
 ORACLE_WEIGHTS = "kvp_oracle_weights"
+WINDOW_WEIGHTS = "kvp_window_weights"
+WEIGHT_WINDOW = 32
+"""The prompt queries whose attention gives ``kvp_window_weights`` its head weights."""
 SCORE_KINDS = {
     ORACLE: "the oracle (the gold future's attention mass to each entry)",
     "kvp": "the learned policy's scores, softmaxed over each head's prompt tokens (each entry's "
@@ -113,6 +118,8 @@ SCORE_KINDS = {
     "policy's ranking inside each head: what KVP's ranking loses under a perfect allocation",
     ORACLE_WEIGHTS: "the calibrated policy's shares with each head's weight replaced by the oracle's "
     "evictable mass of that head in this prompt: what a perfect prompt-dependent head weight gives",
+    WINDOW_WEIGHTS: "the calibrated policy's shares with each head's weight replaced by the attention "
+    "its last 32 prompt queries give its evictable entries: a head weight a cache could compute",
 }
 """What drives the allocation (``--scores``): every kind is computed on the same prefill."""
 SCORER_OF = {
@@ -125,6 +132,7 @@ SCORER_OF = {
     "expected_attention": "expected_attention",
     ORACLE_COUNTS: "kvp",
     ORACLE_WEIGHTS: "kvp",
+    WINDOW_WEIGHTS: "kvp",
 }
 """The registered method behind each non-oracle score kind; the kinds other than ``kvp`` and
 ``kvp_raw`` rank the scorer's :meth:`~kvp_cache.scorers.Scorer.cross_head_scores`."""
@@ -186,7 +194,11 @@ class HeadroomConfig:
         if self.scores != ORACLE:  # added only here, so the oracle's existing records stay valid
             policy = load_policy(self.policy) if SCORER_OF[self.scores] == "kvp" else None
             keys.update(scores=self.scores, policy=policy.weights_sha256 if policy else None)
-            if self.scores in ("kvp_calibrated", ORACLE_WEIGHTS):  # not in the uncalibrated kinds' older runs
+            if self.scores in (
+                "kvp_calibrated",
+                ORACLE_WEIGHTS,
+                WINDOW_WEIGHTS,
+            ):  # not in the uncalibrated kinds' older runs
                 keys.update(calibration=policy.calibration_sha256)
         return digest(keys)
 
@@ -323,17 +335,19 @@ def entry_scores(
 
     A scorer sees what ``KVPCache.from_prefill`` gives it: the prompt's keys and values, positions
     ``0..tokens-1`` and, if it needs them, the last ``query_window`` prompt queries. The protected
-    tokens only matter to ``kvp_oracle_weights``, whose head weights are the oracle's mass outside them."""
+    tokens only matter to the ``*_weights`` kinds, whose head weights are a mass outside them."""
     if kind in (ORACLE, ORACLE_COUNTS):  # ORACLE_COUNTS: the oracle allocates, the policy picks
         return oracle_scorer(model, prefilled, future_ids).importance
-    if kind == ORACLE_WEIGHTS:
-        oracle = oracle_scorer(model, prefilled, future_ids).importance
+    if kind in (ORACLE_WEIGHTS, WINDOW_WEIGHTS):
+        if kind == ORACLE_WEIGHTS:
+            mass = oracle_scorer(model, prefilled, future_ids).importance
+        else:
+            mass = window_attention(model, prefilled, WEIGHT_WINDOW)
         calibrated = entry_scores("kvp_calibrated", scorer, model, prefilled, future_ids)
-        weight = {
-            layer: evictable_only(oracle[layer], sink_tokens, window_tokens).sum(-1) for layer in oracle
-        }
         return {
-            layer: shares / shares.sum(-1, keepdim=True) * weight[layer][:, None]
+            layer: shares
+            / shares.sum(-1, keepdim=True)
+            * evictable_only(mass[layer], sink_tokens, window_tokens).sum(-1, keepdim=True)
             for layer, shares in calibrated.items()
         }
     positions = torch.arange(prefilled.input_ids.shape[1], device=prefilled.input_ids.device)[None]
@@ -353,6 +367,22 @@ def entry_scores(
         else:
             scores[layer] = scorer.cross_head_scores(raw, torch.ones_like(raw, dtype=torch.bool), layer)[0]
     return scores
+
+
+def window_attention(model, prefilled: Prefill, window: int) -> dict[int, torch.Tensor]:
+    """``{layer: float32 [kv_heads, prompt_tokens]}``: the mean attention of the prompt's last
+    ``window`` queries (over them and each KV head's query group) to every prompt entry."""
+    tokens = prefilled.input_ids.shape[1]
+    valid = torch.ones(1, tokens, dtype=torch.bool, device=prefilled.input_ids.device)
+    attention = {}
+    for layer in evicting_layer_indices(model.config):
+        queries = append_queries(None, prefilled.queries[layer], window)
+        keys = prefilled.cache.layers[layer].keys
+        weights = grouped_attention(
+            queries.queries, keys, queries.scaling, valid, tokens - queries.queries.shape[-2]
+        )
+        attention[layer] = weights.nan_to_num(0.0).mean(dim=(2, 3))[0]
+    return attention
 
 
 # -- one example -------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from eval.headroom import (
     PERPLEXITY,
     SCORE_KINDS,
     SCORER_OF,
+    WEIGHT_WINDOW,
     HeadroomConfig,
     compare_tables,
     entry_scores,
@@ -26,6 +27,7 @@ from eval.headroom import (
     main,
     prompt_mask,
     summarize,
+    window_attention,
 )
 from eval.oracle import OracleScorer, oracle_scorer
 from kvp_cache.allocation import MODES, allocate
@@ -112,7 +114,7 @@ def scorer_of(kind: str, model):
     if SCORER_OF[kind] != "kvp":
         return make_scorer(SCORER_OF[kind])
     policy = tiny_policy(model)
-    if kind in ("kvp_calibrated", "kvp_oracle_weights"):
+    if kind in ("kvp_calibrated", "kvp_oracle_weights", "kvp_window_weights"):
         shape = (len(policy.layer_indices), policy.num_kv_heads)
         policy.calibration = Calibration(
             torch.linspace(0.5, 2, shape[0] * shape[1]).view(shape), 3 * torch.ones(shape)
@@ -149,6 +151,11 @@ def test_every_score_kind_scores_every_evicting_head():
         mass = evictable_only(scores["oracle"][layer], 4, 16).sum(-1)
         torch.testing.assert_close(reweighted.sum(-1), mass)
         torch.testing.assert_close(reweighted / mass[:, None], values / 3.0)
+        # The window's weights: the last queries' attention, each query's row summing to 1.
+        attention = window_attention(model, prefilled, WEIGHT_WINDOW)[layer]
+        torch.testing.assert_close(attention.sum(-1), torch.ones(heads))
+        windowed = scores["kvp_window_weights"][layer]
+        torch.testing.assert_close(windowed.sum(-1), evictable_only(attention, 4, 16).sum(-1))
 
 
 def fake_summary(shift: float, layers: int = 30) -> dict:
@@ -275,3 +282,14 @@ def test_future_nll_scores_the_answer_after_the_question():
     assert abs(future_nll(model, prefilled, question, answer) - expected) < 1e-4
     whole = F.cross_entropy(model(tokens).logits[0, PROMPT - 1 : -1].float(), future[0]).item()
     assert abs(future_nll(model, prefilled, [], future[0].tolist()) - whole) < 1e-4
+
+
+def test_window_attention_is_the_models_own_attention_of_the_last_queries():
+    model, tokens, prefilled, _ = setup("llama")
+    model.config._attn_implementation = "eager"
+    out = model(tokens[:, :PROMPT], output_attentions=True)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, attention in window_attention(model, prefilled, 8).items():
+        weights = out.attentions[layer][0, :, -8:]  # [q_heads, 8, prompt]
+        expected = weights.unflatten(0, (-1, group)).mean(dim=(1, 2))
+        torch.testing.assert_close(attention, expected, atol=1e-5, rtol=1e-4)
