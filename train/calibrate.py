@@ -144,6 +144,27 @@ def corpus_windows(
     return [replace(e, source=name) for e in examples]
 
 
+def calibration_windows(config: CalibrateConfig, tokenizer) -> list[Example]:
+    """The windows ``calibrate`` measures: ``config.windows`` of each corpus's training documents,
+    sources interleaved."""
+    groups = [
+        corpus_windows(
+            tokenizer,
+            name,
+            count,
+            config.context_tokens,
+            config.continuation_tokens,
+            config.seed,
+            config.val_fraction,
+            held_out=False,
+            essays_dir=config.essays_dir,
+        )  # fmt: skip
+        for name, count in config.windows.items()
+        if count
+    ]
+    return list(interleave(*groups))
+
+
 # -- the measurements --------------------------------------------------------------------------
 
 
@@ -298,22 +319,7 @@ def calibrate(config: CalibrateConfig, model=None, tokenizer=None, command: list
     policy.check_compatible(model.config)
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    groups = [
-        corpus_windows(
-            tokenizer,
-            name,
-            count,
-            config.context_tokens,
-            config.continuation_tokens,
-            config.seed,
-            config.val_fraction,
-            held_out=False,
-            essays_dir=config.essays_dir,
-        )  # fmt: skip
-        for name, count in config.windows.items()
-        if count
-    ]
-    examples = list(interleave(*groups))
+    examples = calibration_windows(config, tokenizer)
     start = time.perf_counter()
     scores, target = measured_windows(config, model, policy, examples)
     measure_seconds = time.perf_counter() - start

@@ -29,8 +29,7 @@ from kvp_cache.models import load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
-from train.calibrate import CalibrateConfig, corpus_windows, measure_window, split_windows
-from train.data import interleave
+from train.calibrate import CalibrateConfig, calibration_windows, measure_window, split_windows
 
 WINDOWS = (8, 32, 128)
 POLICY = "smollm2-135m-instruct"
@@ -45,20 +44,7 @@ def main() -> None:
     config = CalibrateConfig()
     model, tokenizer = load_model(config.model)
     policy = load_policy(POLICY)
-    groups = [
-        corpus_windows(
-            tokenizer,
-            name,
-            count,
-            config.context_tokens,
-            config.continuation_tokens,
-            config.seed,
-            config.val_fraction,
-            held_out=False,
-        )  # fmt: skip
-        for name, count in config.windows.items()
-    ]
-    examples = list(interleave(*groups))
+    examples = calibration_windows(config, tokenizer)
     scores, mass, window_mass = [], [], {w: [] for w in WINDOWS}
     with torch.no_grad():
         for example in tqdm(examples, desc="windows", unit="window"):
