@@ -54,7 +54,7 @@ from kvp_cache.compat import cache_kwarg
 from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import shipped_policies
 from kvp_cache.prefill import Prefill, prefill
-from kvp_cache.provenance import provenance
+from kvp_cache.provenance import portable_argument, provenance
 
 FULL = "full"
 POLICY = "smollm2-135m-instruct"  # the shipped policy for SmolLM2 (method kvp)
@@ -225,7 +225,9 @@ def main(argv=None) -> None:
     prompt = ids[:, : args.prompt_tokens]
     record = {
         "provenance": provenance(MODELS["smollm2"].model_id, model.dtype, "cpu", policy=args.policy),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "settings": {
+            k: portable_argument(str(v)) if isinstance(v, Path) else v for k, v in vars(args).items()
+        },
         "essay": essay,
     }
     if args.generate_tokens:

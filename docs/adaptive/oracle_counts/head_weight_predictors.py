@@ -64,7 +64,7 @@ def main() -> None:
     deviation = log_mass - log_mass.mean(0)
     within = deviation.pow(2).mean().item()
     result = {
-        "provenance": provenance(model.name_or_path, "float32", "cpu", policy, sys.argv),
+        "provenance": provenance(config.model, "float32", "cpu", policy, sys.argv),
         "windows": len(examples),
         "log_weight_variance": {"total": log_mass.var().item(), "within_head": within},
         "score_statistics": {},
