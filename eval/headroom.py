@@ -102,6 +102,8 @@ ORACLE_WEIGHTS = "kvp_oracle_weights"
 WINDOW_WEIGHTS = "kvp_window_weights"
 WEIGHT_WINDOW = 32
 """The prompt queries whose attention gives ``kvp_window_weights`` its head weights."""
+CALIBRATED_KINDS = ("kvp_calibrated", ORACLE_WEIGHTS, WINDOW_WEIGHTS)
+"""The score kinds that read the policy's calibration, so their records depend on it."""
 SCORE_KINDS = {
     ORACLE: "the oracle (the gold future's attention mass to each entry)",
     "kvp": "the learned policy's scores, softmaxed over each head's prompt tokens (each entry's "
@@ -194,11 +196,7 @@ class HeadroomConfig:
         if self.scores != ORACLE:  # added only here, so the oracle's existing records stay valid
             policy = load_policy(self.policy) if SCORER_OF[self.scores] == "kvp" else None
             keys.update(scores=self.scores, policy=policy.weights_sha256 if policy else None)
-            if self.scores in (
-                "kvp_calibrated",
-                ORACLE_WEIGHTS,
-                WINDOW_WEIGHTS,
-            ):  # not in the uncalibrated kinds' older runs
+            if self.scores in CALIBRATED_KINDS:  # not in the uncalibrated kinds' older runs
                 keys.update(calibration=policy.calibration_sha256)
         return digest(keys)
 
