@@ -49,7 +49,7 @@ from kvp_cache.cli import add_protected_tokens_arguments
 from kvp_cache.compat import evicting_layer_indices
 from kvp_cache.models import load_model
 from kvp_cache.policy import Calibration, KVPolicy, load_policy
-from kvp_cache.prefill import prefill
+from kvp_cache.prefill import Prefill, prefill
 from kvp_cache.provenance import portable_argument, portable_command, portable_config, provenance
 from kvp_cache.scorers import make_scorer
 from kvp_cache.tables import markdown_table
@@ -170,13 +170,19 @@ def calibration_windows(config: CalibrateConfig, tokenizer) -> list[Example]:
 
 @torch.no_grad()
 def measure_window(
-    model, policy: KVPolicy, example: Example, sink_tokens: int, window_tokens: int
+    model,
+    policy: KVPolicy,
+    example: Example,
+    sink_tokens: int,
+    window_tokens: int,
+    prefilled: Prefill | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scores, target)`` of one window, each ``[evicting layers, kv_heads, prompt_tokens]`` float32:
     the policy's raw scores and each entry's share of the future attention per future query, sinks
-    and window zeroed."""
+    and window zeroed. ``prefilled``: the window's prompt already prefilled (None: prefilled here)."""
     device = next(model.parameters()).device
-    prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
+    if prefilled is None:
+        prefilled = prefill(model, torch.tensor([example.prompt_ids], device=device))
     importance = oracle_scorer(model, prefilled, example.future_ids).importance
     scorer = make_scorer("kvp", policy=policy, check_base_model=False)
     positions = torch.arange(len(example.prompt_ids), device=device)[None]

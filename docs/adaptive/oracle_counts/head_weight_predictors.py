@@ -29,6 +29,7 @@ from kvp_cache.models import load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
+from kvp_cache.targets import evictable_only
 from train.calibrate import CalibrateConfig, calibration_windows, measure_window, split_windows
 
 WINDOWS = (8, 32, 128)
@@ -48,19 +49,18 @@ def main() -> None:
     scores, mass, window_mass = [], [], {w: [] for w in WINDOWS}
     with torch.no_grad():
         for example in tqdm(examples, desc="windows", unit="window"):
-            s, target = measure_window(model, policy, example, config.sink_tokens, config.window_tokens)
+            prefilled = prefill(model, torch.tensor([example.prompt_ids]))
+            s, target = measure_window(
+                model, policy, example, config.sink_tokens, config.window_tokens, prefilled
+            )
             scores.append(s)
             mass.append(target.sum(-1))
-            prefilled = prefill(model, torch.tensor([example.prompt_ids]))
-            n = len(example.prompt_ids)
             for w in WINDOWS:
-                attention = window_attention(model, prefilled, w)
-                window_mass[w].append(torch.stack([a[:, config.sink_tokens : n - config.window_tokens].sum(-1)
-                                                   for a in attention.values()]))  # fmt: skip
-    scores, log_mass = (
-        torch.stack(scores),
-        torch.stack(mass).clamp_min(1e-9).log(),
-    )  # [windows, layers, heads]
+                attention = window_attention(model, prefilled, w).values()
+                evictable = [evictable_only(a, config.sink_tokens, config.window_tokens) for a in attention]
+                window_mass[w].append(torch.stack(evictable).sum(-1))
+    scores = torch.stack(scores)
+    log_mass = torch.stack(mass).clamp_min(1e-9).log()  # [windows, layers, heads]
     deviation = log_mass - log_mass.mean(0)
     within = deviation.pow(2).mean().item()
     result = {
