@@ -3,12 +3,14 @@
 A saved cache is a directory of two files:
 
 - ``cache.safetensors``: every layer's tensors, ``layers.{i}.keys`` and ``layers.{i}.values``
-  ``[batch, kv_heads, slots, head_dim]`` and, for an evicting layer, its per-row state
-  (:attr:`~kvp_cache.cache.EvictingLayer.BATCH_FIELDS`: ``valid``, ``seen_real``, stored ``scores``
-  with NaN for pending ones, tracked ``positions``) and ``recent_queries.*``, the queries captured
-  since its last eviction;
+  ``[batch, kv_heads, slots, head_dim]`` (for an ``allocation="layer"``/``"head"`` layer its heads
+  packed, ``[batch, slots, head_dim]``, with each head's length among the layer's counters) and, for an
+  evicting layer, its per-row state (:attr:`~kvp_cache.cache.EvictingLayer.BATCH_FIELDS`: ``valid``,
+  ``seen_real``, stored ``scores`` with NaN for pending ones, tracked ``positions``) and
+  ``recent_queries.*``, the queries captured since its last eviction;
 - ``cache_config.json``: the cache's settings (method and its options, with the KVP policy's name
-  and weights sha256; budget; schedule), the model it was computed with (shape, dtype, the sha256 of
+  and weights sha256, and for an adaptive allocation its calibration's sha256; budget; schedule;
+  allocation), the model it was computed with (shape, dtype, the sha256 of
   its config and of a sample of its weights), the transformers cache layout (the layer class of each
   index), each layer's counters (logical length, compressed flag, ...), the kvp_cache version and
   the sha256 of the tensor file.
@@ -40,6 +42,7 @@ from kvp_cache.compat import attention_shape, text_config
 from kvp_cache.policy import KVPolicy, load_policy, shipped_policies
 from kvp_cache.policy_loading import PICKLE_PATTERNS
 from kvp_cache.provenance import sha256_of
+from kvp_cache.ragged import RaggedLayer
 from kvp_cache.scorers import QueryStates, Scorer
 from kvp_cache.scorers.kvp import KVPScorer
 from kvp_cache.scorers.registry import SCORERS
@@ -54,6 +57,8 @@ LAYOUT_VERSION = 1
 # for sliding windows, the logical length; it is the same in every supported transformers release.
 PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 EVICTING_COUNTERS = ("cumulative_length", "appended_since_eviction", "compressed")
+RAGGED_COUNTERS = (*EVICTING_COUNTERS, "lengths", "pending_forward", "holds_padding")
+EVICTING_LAYERS = (EvictingLayer, RaggedLayer)
 SETTINGS = (
     "budget",
     "sink_tokens",
@@ -62,6 +67,8 @@ SETTINGS = (
     "max_cache_tokens",
     "evict_every",
     "track_positions",
+    "allocation",
+    "min_per_head",
 )
 POLICY_SETTINGS = ("position_strategy", "trained_length")  # changeable after loading, and they change scores
 # Config entries that describe how a model was loaded or run, not the keys and values it computes.
@@ -97,7 +104,7 @@ def save_cache(cache: KVPCache, model: torch.nn.Module | None, save_directory: s
     if cache.context.in_forward:
         raise RuntimeError("save_pretrained was called during a forward; save the cache between forwards")
     layout = cache_layout(cache)
-    method = method_record(cache.settings.scorer)
+    method = method_record(cache.settings.scorer, cache.settings.allocation)
     records, tensors = [], {}
     for i, layer in enumerate(cache.layers):
         record, layer_tensors = layer_state(layer)
@@ -132,16 +139,11 @@ def save_cache(cache: KVPCache, model: torch.nn.Module | None, save_directory: s
 def cache_layout(cache: KVPCache) -> dict:
     """The transformers cache layout: the layer class (and sliding window) of each index."""
     layers = []
-    if cache.settings.allocation != "uniform":
-        raise ValueError(
-            f"saving a cache with allocation={cache.settings.allocation!r} (heads of different lengths) is not "
-            "supported yet; save_pretrained needs allocation='uniform'"
-        )
     for i, layer in enumerate(cache.layers):
-        if type(layer) is not EvictingLayer and type(layer) not in PLAIN_LAYERS:
+        if type(layer) not in EVICTING_LAYERS + PLAIN_LAYERS:
             raise ValueError(
-                f"layer {i} of this cache is a {type(layer).__name__}; a saved cache holds EvictingLayer, "
-                f"{', '.join(cls.__name__ for cls in PLAIN_LAYERS)} layers only"
+                f"layer {i} of this cache is a {type(layer).__name__}; a saved cache holds "
+                f"{', '.join(cls.__name__ for cls in EVICTING_LAYERS + PLAIN_LAYERS)} layers only"
             )
         kind = {"class": type(layer).__name__}
         if hasattr(layer, "sliding_window"):
@@ -159,7 +161,8 @@ def layer_state(layer) -> tuple[dict, dict[str, torch.Tensor]]:
         tensors = {
             name: getattr(layer, name) for name in layer.BATCH_FIELDS if getattr(layer, name) is not None
         }
-        counters = {name: getattr(layer, name) for name in EVICTING_COUNTERS}
+        names = RAGGED_COUNTERS if isinstance(layer, RaggedLayer) else EVICTING_COUNTERS
+        counters = {name: getattr(layer, name) for name in names}
         if layer.recent_queries is not None:
             recent = {}
             for field in dataclasses.fields(QueryStates):
@@ -177,8 +180,9 @@ def layer_state(layer) -> tuple[dict, dict[str, torch.Tensor]]:
     return record, tensors
 
 
-def method_record(scorer: Scorer) -> dict:
-    """The method's registry name and options; for ``kvp``, the policy's name and weights sha256."""
+def method_record(scorer: Scorer, allocation: str = "uniform") -> dict:
+    """The method's registry name and options; for ``kvp``, the policy's name and weights sha256
+    (and, for an adaptive ``allocation``, its calibration's sha256)."""
     if SCORERS.get(scorer.name) is not type(scorer):
         raise ValueError(
             f"this cache uses an unregistered {type(scorer).__name__} instance; only caches of registered "
@@ -199,6 +203,8 @@ def method_record(scorer: Scorer) -> dict:
         record["policy"] = {"source": source, "sha256": policy.weights_sha256} | {
             name: getattr(policy, name) for name in POLICY_SETTINGS
         }
+        if allocation != "uniform":  # the calibration decides each head's share at the next eviction
+            record["policy"]["calibration_sha256"] = getattr(policy, "calibration_sha256", None)
     return record
 
 
@@ -377,6 +383,13 @@ def method_options(method: dict, policy: KVPolicy | str | Path | None) -> dict:
             f"compressed with {record['source']!r} (sha256 {record['sha256']}): another policy would rank the "
             "cached tokens differently. Pass the same policy as policy=."
         )
+    calibration = getattr(loaded, "calibration_sha256", None)
+    if "calibration_sha256" in record and calibration != record["calibration_sha256"]:
+        raise ValueError(
+            f"KVP policy {getattr(loaded, 'source', 'given')!r} has calibration sha256 {calibration}, but the "
+            f"cache's heads were allocated with calibration {record['calibration_sha256']}: its next eviction "
+            "would split the budget differently. Pass the policy with that calibration as policy=."
+        )
     for name in POLICY_SETTINGS:
         if loaded is policy and getattr(loaded, name) != record[name]:
             raise ValueError(
@@ -455,8 +468,10 @@ def restore_layer(layer, record: dict, tensors: dict[str, torch.Tensor], where: 
     if not record["initialized"]:
         return
     keys, values = tensors.get("keys"), tensors.get("values")
-    if keys is None or values is None or keys.dim() != 4 or values.shape != keys.shape:
-        raise ValueError(f"{where}: needs keys and values of one shape [batch, kv_heads, slots, head_dim]")
+    ragged = isinstance(layer, RaggedLayer)
+    layout = "[batch, slots, head_dim] (heads packed)" if ragged else "[batch, kv_heads, slots, head_dim]"
+    if keys is None or values is None or keys.dim() != (3 if ragged else 4) or values.shape != keys.shape:
+        raise ValueError(f"{where}: needs keys and values of one shape {layout}")
     if isinstance(layer, EvictingLayer):
         restore_evicting_layer(layer, record, tensors, where)
     else:
@@ -472,15 +487,28 @@ def restore_layer(layer, record: dict, tensors: dict[str, torch.Tensor], where: 
 def restore_evicting_layer(
     layer: EvictingLayer, record: dict, tensors: dict[str, torch.Tensor], where: str
 ) -> None:
-    keys = tensors["keys"]
-    batch, heads, slots, head_dim = keys.shape
+    keys, values = tensors["keys"], tensors["values"]
     settings = layer.settings
-    if (heads, head_dim) != (settings.num_kv_heads, settings.head_dim):
+    heads, head_dim = settings.num_kv_heads, settings.head_dim
+    batch, slots = keys.shape[0], keys.shape[-2]
+    ragged = isinstance(layer, RaggedLayer)
+    if ragged:
+        lengths = record["counters"].get("lengths")
+        if not isinstance(lengths, list) or len(lengths) != heads or sum(lengths) != slots:
+            raise ValueError(
+                f"{where}: head lengths {lengths!r} do not pack {slots} slots into {heads} KV heads"
+            )
+    stored = (heads if ragged else keys.shape[1], keys.shape[-1])
+    if stored != (heads, head_dim):
         raise ValueError(
-            f"{where}: keys of shape {tuple(keys.shape)}, but the model has {settings.num_kv_heads} KV heads "
-            f"of dim {settings.head_dim}"
+            f"{where}: keys of shape {tuple(keys.shape)}, but the model has {heads} KV heads of dim {head_dim}"
         )
-    layer.lazy_initialization(keys, tensors["values"])
+    if ragged:  # lazy_initialization takes a forward's [batch, kv_heads, q, head_dim] states: none yet
+        empty = [t.new_empty(batch, heads, 0, t.shape[-1]) for t in (keys, values)]
+        layer.lazy_initialization(*empty)
+    else:
+        layer.lazy_initialization(keys, values)
+    per_entry = (batch, slots) if ragged else (batch, heads, slots)  # scores and positions
     # The per-row tensors this cache's settings hold (scores for per-token methods, positions if tracked).
     needed = {name for name in layer.BATCH_FIELDS if getattr(layer, name) is not None}
     saved = {name for name in tensors if not name.startswith("recent_queries.")}
@@ -488,8 +516,7 @@ def restore_evicting_layer(
         raise ValueError(
             f"{where}: saved tensors {sorted(saved)}, but this cache's settings hold {sorted(needed)}"
         )
-    shapes = {"valid": (batch, slots), "seen_real": (batch,), "scores": (batch, heads, slots)}
-    shapes["positions"] = shapes["scores"]
+    shapes = {"valid": (batch, slots), "seen_real": (batch,), "scores": per_entry, "positions": per_entry}
     for name in needed:
         shape = shapes.get(name, keys.shape)
         if tensors[name].shape != shape:

@@ -234,14 +234,6 @@ def test_bad_allocation_arguments_are_refused_early():
     assert model.config._attn_implementation == "eager"  # restored after the failed forward
 
 
-def test_saving_a_ragged_cache_is_refused(tmp_path):
-    model = tiny_model("llama")
-    cache = make_cache(model)
-    model(ids(length=30), **{cache_kwarg(model): cache})
-    with pytest.raises(ValueError, match="allocation='head'.*not supported yet"):
-        cache.save_pretrained(tmp_path / "saved")
-
-
 COMPARABLE = sorted(name for name, cls in SCORER_CLASSES.items() if cls.comparable_across_heads)
 
 

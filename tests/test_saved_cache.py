@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from kvp_cache import KVPCache, KVPolicy
 from kvp_cache.compat import cache_kwarg
+from kvp_cache.policy import Calibration
 from kvp_cache.provenance import sha256_of
 from kvp_cache.saved_cache import CONFIG_NAME, TENSORS_NAME
 from kvp_cache.scorers import QueryStates
@@ -39,6 +40,13 @@ def compressed(model, method="knorm", document=DOCUMENT, attention_mask=None, **
     with torch.no_grad():
         model(document, attention_mask=attention_mask, **{cache_kwarg(model): cache})
     return cache
+
+
+def saved_policy(model, directory: Path, seed: int = 0) -> str:
+    """A random tiny KVP policy for ``model``, saved to ``directory`` (returned as a string)."""
+    torch.manual_seed(seed)
+    KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=64).save_pretrained(directory)
+    return str(directory)
 
 
 def reloaded(cache, directory, model, **options) -> KVPCache:
@@ -116,11 +124,7 @@ def test_cache_saved_mid_answer_continues_with_its_pending_state(method, tmp_pat
     model = tiny_model("llama")
     options = {"max_cache_tokens": 16, "evict_every": 4}
     if method == "kvp":
-        torch.manual_seed(0)
-        KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=64).save_pretrained(
-            tmp_path / "policy"
-        )
-        options["policy"] = str(tmp_path / "policy")
+        options["policy"] = saved_policy(model, tmp_path / "policy")
     cache = compressed(model, method, **options)
     started, _ = greedy(model, PROMPT, cache, max_new_tokens=3)  # 12 + 8 = 20 held; 21 -> 16; then 17
     layer = cache.evicting_layers[0]
@@ -130,6 +134,40 @@ def test_cache_saved_mid_answer_continues_with_its_pending_state(method, tmp_pat
         assert layer.recent_queries.queries.shape[-2] > 0  # queries since the decoding eviction
     loaded = reloaded(cache, tmp_path / "cache", model)
     assert_same_answers(model, cache, loaded, prompt=started, max_new_tokens=8)  # 18, 19, 20, 21 -> 16, ...
+
+
+@pytest.mark.parametrize("allocation", ["layer", "head"])
+@pytest.mark.parametrize("method", ["kvp", "snapkv"])
+def test_adaptive_cache_round_trip(allocation, method, tmp_path):
+    """Heads packed with different lengths reload bit for bit: a document compressed once, then a
+    left-padded batch saved mid-answer under a cap (kvp's pending scores, snapkv's captured queries)."""
+    model = tiny_model("llama")
+    options = {"allocation": allocation, "budget": 0.6}  # 24 per head on average, at least 12
+    if method == "kvp":
+        options["policy"] = saved_policy(model, tmp_path / "policy")
+    cache = compressed(model, method, **options)
+    lengths = [n for layer in cache.evicting_layers for n in layer.lengths]
+    assert len(set(lengths)) > 1  # the allocation gave heads (or layers) different counts
+    assert_same_answers(model, cache, reloaded(cache, tmp_path / "once", model))
+
+    document = torch.cat(
+        [DOCUMENT, torch.cat([torch.zeros(1, 12, dtype=torch.long), ids(length=28, seed=5)], -1)]
+    )
+    mask = torch.ones_like(document)
+    mask[1, :12] = 0
+    capped = {**options, "compress": "every_prefill", "max_cache_tokens": 16, "evict_every": 4}
+    cache = compressed(model, method, document=document, attention_mask=mask, **capped)
+    prompt = torch.cat([document, QUESTION.expand(2, -1)], -1)
+    prompt_mask = torch.cat([mask, torch.ones(2, QUESTION.shape[1], dtype=torch.long)], -1)
+    started, _ = greedy(model, prompt, cache, max_new_tokens=3, attention_mask=prompt_mask, pad_token_id=0)
+    layer = cache.evicting_layers[0]
+    assert layer.holds_padding
+    assert layer.scores.isnan().any() if method == "kvp" else layer.recent_queries.queries.shape[-2] > 0
+    loaded = reloaded(cache, tmp_path / "capped", model)
+    started_mask = torch.cat([prompt_mask, torch.ones(2, 3, dtype=torch.long)], -1)
+    assert_same_answers(
+        model, cache, loaded, prompt=started, max_new_tokens=8, attention_mask=started_mask, pad_token_id=0
+    )
 
 
 @pytest.mark.parametrize("method", ["knorm", "snapkv"])
@@ -150,9 +188,7 @@ def test_left_padded_batch_round_trip(method, tmp_path):
 
 def test_kvp_policy_is_found_by_its_record_and_checked_by_sha256(tmp_path):
     model = tiny_model("llama")
-    torch.manual_seed(0)
-    KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=64).save_pretrained(tmp_path / "policy")
-    cache = compressed(model, "kvp", policy=str(tmp_path / "policy"))
+    cache = compressed(model, "kvp", policy=saved_policy(model, tmp_path / "policy"))
     cache.save_pretrained(tmp_path / "cache")
     record = json.loads((tmp_path / "cache" / CONFIG_NAME).read_text())["method"]["policy"]
     assert record["source"] == str((tmp_path / "policy").resolve())
@@ -165,8 +201,7 @@ def test_kvp_policy_is_found_by_its_record_and_checked_by_sha256(tmp_path):
     assert_same_state(cache, loaded)
     assert_same_answers(model, cache, loaded)
 
-    torch.manual_seed(1)
-    KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=64).save_pretrained(tmp_path / "other")
+    saved_policy(model, tmp_path / "other", seed=1)
     with pytest.raises(ValueError, match="has weights sha256 .* compressed with"):
         KVPCache.from_saved(tmp_path / "cache", model, policy=str(tmp_path / "other"))
 
@@ -212,13 +247,14 @@ def test_a_cache_saved_here_answers_the_same_in_another_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_document_compressed_once_answers_the_same_after_reloading(smollm2, tmp_path):
+@pytest.mark.parametrize("allocation", ["uniform", "head"])
+def test_smollm2_document_compressed_once_answers_the_same_after_reloading(smollm2, allocation, tmp_path):
     model, _ = smollm2
     generator = torch.Generator().manual_seed(0)
     document = torch.randint(100, 5000, (1, 600), generator=generator)
     prompt = torch.cat([document, torch.randint(100, 5000, (1, 12), generator=generator)], -1)
-    cache = KVPCache(
-        model, method="kvp", policy="smollm2-135m-instruct", budget=0.25, compress="first_prefill"
+    cache = KVPCache.from_pretrained(
+        "smollm2-135m-instruct", model=model, budget=0.25, compress="first_prefill", allocation=allocation
     )
     with torch.no_grad():
         model(document, **{cache_kwarg(model): cache})
@@ -287,6 +323,31 @@ def test_another_cache_layout_is_refused(saved):
     edit_json(directory, lambda r: r["cache_layout"].update({"version": 2}))
     with pytest.raises(ValueError, match="cache layout version 2"):
         KVPCache.from_saved(directory, model)
+
+
+def test_head_lengths_that_do_not_pack_the_keys_are_refused(tmp_path):
+    model = tiny_model("llama")
+    compressed(model, "snapkv", allocation="head", budget=0.6).save_pretrained(tmp_path)
+    edit_json(tmp_path, lambda r: r["layers"][0]["counters"].update({"lengths": [1, 2]}))
+    with pytest.raises(
+        ValueError, match=r"layer 0: head lengths \[1, 2\] do not pack \d+ slots into 2 KV heads"
+    ):
+        KVPCache.from_saved(tmp_path, model)
+
+
+def test_an_adaptive_kvp_cache_needs_the_calibration_it_was_allocated_with(tmp_path):
+    model = tiny_model("llama")
+    policy = saved_policy(model, tmp_path / "policy")
+    compressed(model, "kvp", policy=policy, allocation="head", budget=0.6).save_pretrained(tmp_path / "cache")
+    recalibrated = KVPolicy.from_pretrained(policy)
+    shape = (len(recalibrated.layer_indices), recalibrated.num_kv_heads)
+    recalibrated.calibration = Calibration(temperature=torch.ones(shape), weight=torch.rand(shape) + 0.5)
+    recalibrated.save_pretrained(tmp_path / "recalibrated")  # the same weights, another calibration
+    with pytest.raises(
+        ValueError, match=r"calibration sha256 \w+, but the cache's heads were allocated with"
+    ):
+        KVPCache.from_saved(tmp_path / "cache", model, policy=str(tmp_path / "recalibrated"))
+    KVPCache.from_saved(tmp_path / "cache", model, policy=policy)
 
 
 def test_a_changed_tensor_file_is_refused(saved):
