@@ -395,6 +395,12 @@ def _check_allocation(allocation, min_per_head, budget: Budget, scorer: Scorer, 
             f"allocation={allocation!r} attends through its own attention function: build the cache with "
             "KVPCache(model, ...), not a config"
         )
+    softcap = getattr(text_config(model.config), "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"allocation={allocation!r} attends through SDPA, which cannot soft-cap attention logits as this "
+            f"{model.config.model_type} model does (attn_logit_softcapping={softcap}): use allocation='uniform'"
+        )
 
 
 def _build_scorer(method: str | Scorer | None, options: dict) -> Scorer:

@@ -17,7 +17,7 @@ from reference import (
     ids,
     reference_logits,
 )
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config
 
 from kvp_cache import KVPCache, KVPolicy
 from kvp_cache.compat import cache_kwarg
@@ -232,6 +232,20 @@ def test_bad_allocation_arguments_are_refused_early():
     with pytest.raises(ValueError, match=r"min_per_head \(9\) exceeds the per-head budget \(4 entries"):
         model(ids(length=40), **{cache_kwarg(model): cache})
     assert model.config._attn_implementation == "eager"  # restored after the failed forward
+    config = Gemma2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attn_logit_softcapping=50.0,
+    )
+    softcapped = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"cannot soft-cap .* gemma2 .*attn_logit_softcapping=50.0"):
+        KVPCache(softcapped, method=PeakedNorm(), allocation="head")
+    KVPCache(softcapped, method=PeakedNorm())  # uniform attends through the model's own attention
 
 
 COMPARABLE = sorted(name for name, cls in SCORER_CLASSES.items() if cls.comparable_across_heads)
