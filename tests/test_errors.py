@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 from transformers import BertConfig, LlamaConfig, T5Config
 
-from kvp_cache import KVPCache, make_scorer, validate_budget
+from kvp_cache import KVPCache, KVPolicy, make_scorer, validate_budget
 from kvp_cache.compat import cache_kwarg
 
 
@@ -42,6 +42,13 @@ def test_unknown_method_lists_available_ones():
 def test_unknown_method_option_lists_the_options():
     with pytest.raises(TypeError, match="window_size"):
         make_scorer("snapkv", windw_size=3)
+
+
+def test_kvp_rescore_must_be_a_bool():
+    model = tiny_model("llama")
+    policy = KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=32)
+    with pytest.raises(TypeError, match="rescore must be True or False, got 'yes'"):
+        KVPCache(model, method="kvp", policy=policy, rescore="yes")
 
 
 def test_scorer_instance_takes_no_options():

@@ -249,13 +249,16 @@ def test_bad_allocation_arguments_are_refused_early():
 
 
 COMPARABLE = sorted(name for name, cls in SCORER_CLASSES.items() if cls.comparable_across_heads)
+RESCORED_KVP = "kvp, rescore=True"
 
 
-@pytest.mark.parametrize("method", COMPARABLE)
+@pytest.mark.parametrize("method", [*COMPARABLE, RESCORED_KVP])
 @pytest.mark.parametrize("allocation", ["head", "layer"])
 def test_every_comparable_method_matches_the_reference(method, allocation):
     model = tiny_model("llama")
     options = {"window_size": 6} if method == "snapkv" else {}
+    if method == RESCORED_KVP:  # each head scored again on its own entries at every eviction
+        method, options["rescore"] = "kvp", True
     if method == "kvp":
         torch.manual_seed(0)
         options["policy"] = KVPolicy.for_model(model, hidden_dim=16, pos_dim=8, max_positions=64)

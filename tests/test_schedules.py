@@ -215,6 +215,36 @@ def test_kvp_stored_scores_are_the_policy_scores_at_entry():
                 torch.testing.assert_close(layer.scores[:, head, i : i + 1], alone.float())
 
 
+def test_kvp_rescore_scores_every_held_entry_at_each_eviction():
+    model = tiny_model("llama")
+    cache = make_cache(model, "kvp", budget=1.0, max_cache_tokens=12, evict_every=3, rescore=True)
+    scorer, calls = cache.settings.scorer, []
+    score = scorer.score
+
+    def recording(keys, values, positions, queries=None, layer_idx=0):
+        if layer_idx == 0:
+            calls.append(positions[0].tolist())
+        return score(keys, values, positions, queries, layer_idx)
+
+    scorer.score = recording
+    check_generate_against_reference(model, ids(length=30), cache, max_new_tokens=13)
+    assert cache.evicting_layers[0].scores is None  # nothing stored: every eviction scores anew
+    assert calls[0] == list(range(30))  # the prefill
+    assert calls[1:] == [list(range(16))] * 3  # then 12 held + 4 decoded, each at its index among them
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "head"])
+def test_kvp_rescore_keeps_the_same_entries_after_a_single_prefill(allocation):
+    model = tiny_model("llama")
+    kept = []
+    for rescore in (False, True):
+        cache = make_cache(model, "kvp", budget=0.4, allocation=allocation, rescore=rescore)
+        model(ids(length=40), **{cache_kwarg(model): cache})
+        kept.append([layer.kept_positions() for layer in cache.evicting_layers])
+    for (positions, valid), (positions_rescored, valid_rescored) in zip(*kept, strict=True):
+        assert torch.equal(positions, positions_rescored) and torch.equal(valid, valid_rescored)
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches, padding, beams, crop, reset, deepcopy, from_prefill.
 

@@ -22,9 +22,14 @@ class KVPScorer(Scorer):
     device of that layer's keys on first use, so a model split over devices keeps each layer's
     agents next to its cache.
 
-    Each token is scored once, as it entered the cache, at its index among its row's real tokens
-    (``per_token``); the cache keeps the scores, so decoding never rescores old tokens. Decoded
-    tokens are scored only when an eviction needs them, each as a one-token row.
+    By default each token is scored once, as it entered the cache, at its index among its row's real
+    tokens (``per_token``); the cache keeps the scores, so decoding never rescores old tokens. Decoded
+    tokens are scored only when an eviction needs them, each as a one-token row. With ``rescore=True``
+    every eviction scores all the entries a head holds again, at their index among them, as a prefill
+    of those entries would be scored: a decoded token is then ranked by its place among the entries
+    held rather than always as the newest token of its row. A single prefill keeps the same entries
+    either way; the two differ only once a cache evicts a second time (``max_cache_tokens``, chunked
+    prefill, later turns).
 
     Across heads (:meth:`cross_head_scores`): ``weight * softmax(score / temperature)`` over each
     head's valid entries, the policy's :class:`~kvp_cache.policy.Calibration` (fitted by ``python -m
@@ -35,10 +40,14 @@ class KVPScorer(Scorer):
 
     name = "kvp"
     learned = True
-    per_token = True
     comparable_across_heads = True
     policy: KVPolicy | str | Path | None = None
     check_base_model: bool = True
+    rescore: bool = False
+
+    @property
+    def per_token(self) -> bool:
+        return not self.rescore
 
     def __post_init__(self) -> None:
         if self.policy is None:
@@ -51,6 +60,8 @@ class KVPScorer(Scorer):
             self.policy = load_policy(self.policy)
         if not isinstance(self.policy, KVPolicy):
             raise TypeError(f"policy must be a kvp_cache.policy.KVPolicy, got {type(self.policy).__name__}")
+        if not isinstance(self.rescore, bool):
+            raise TypeError(f"rescore must be True or False, got {self.rescore!r}")
 
     def check_model(self, config) -> None:
         self.policy.check_compatible(config, check_base_model=self.check_base_model)
