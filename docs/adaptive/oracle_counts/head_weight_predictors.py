@@ -13,7 +13,7 @@ of that two candidate predictors explain:
   calibration's fit windows and checked on its check windows, against the fixed per-head weight
   (``a_head`` alone) and against the window mass itself (``a = 0, b = 1``).
 
-Run from the repository root: ``python docs/adaptive/oracle_counts/head_weight_predictors.py``
+Run from the repository root: ``PYTHONPATH=. python docs/adaptive/oracle_counts/head_weight_predictors.py``
 (about 8 minutes on one CPU thread); writes ``head_weight_predictors.json`` next to this file.
 """
 

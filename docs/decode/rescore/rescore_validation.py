@@ -7,7 +7,7 @@ the Python standard library or ``/usr/share``. Each window's first 1,024 tokens 
 next 2,048 are read in chunks of 16 through ``max_cache_tokens`` (evict_every 64), as the benchmark's
 ``decode`` protocol reads them; the score is the mean NLL increase per token over the uncapped cache.
 
-Run from the repository root: ``python docs/decode/rescore/rescore_validation.py`` (resumes; about
+Run from the repository root: ``PYTHONPATH=. python docs/decode/rescore/rescore_validation.py`` (resumes; about
 3 minutes per window on one CPU thread); writes ``rescore_validation.json`` next to this file.
 """
 
