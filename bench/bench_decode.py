@@ -26,7 +26,8 @@ James Bible (the benchmark's ``kjv`` corpus, public domain, from the ``eval`` ex
    cache is trimmed at the end of a chunk, as after a decoding step. The prefill's own eviction
    happens at the end of the prompt, so the first continuation token is scored exactly.
 
-``kvp`` uses ``--policy`` (default: the shipped ``smollm2-135m-instruct``). The JSON
+``kvp`` uses ``--policy`` (default: the shipped ``smollm2-135m-instruct``); ``kvp_rescore`` is ``kvp``
+with ``rescore=True`` (every held entry scored again at each eviction). The JSON
 output (``--json``) starts with ``kvp_cache.provenance.provenance(...)``. One thread by default:
 the development machine's two cores are shared, and two OpenMP threads spin against each other.
 """
@@ -58,6 +59,14 @@ from kvp_cache.provenance import portable_argument, provenance
 
 FULL = "full"
 POLICY = "smollm2-135m-instruct"  # the shipped policy for SmolLM2 (method kvp)
+KVP_RESCORE = "kvp_rescore"  # method kvp with rescore=True: every held entry scored again at each eviction
+
+
+def method_options(method: str, policy_name: str) -> dict:
+    """``KVPCache`` keyword arguments for a method name of this script (``kvp_rescore`` included)."""
+    if method == KVP_RESCORE:
+        return {"method": "kvp", "policy": policy_name, "rescore": True}
+    return {"method": method, "policy": policy_name} if method == "kvp" else {"method": method}
 
 
 def text_ids(tokenizer, essays: Path | None, needed: int) -> tuple[torch.Tensor, str]:
@@ -75,17 +84,17 @@ def prefilled_cache(
     model, prefilled: Prefill, method: str, cap: int, evict_every: int, policy_name: str
 ) -> KVPCache:
     """The prompt's cache under ``method`` capped at ``cap`` (the prompt counts as the first prefill)."""
-    policy = {"policy": policy_name} if method == "kvp" else {}
+    options = method_options(method, policy_name)
     return KVPCache.from_prefill(
-        prefilled, model, method=method, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **policy
+        prefilled, model, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **options
     )
 
 
 def make_cache(model, method: str, cap: int | None, evict_every: int, policy_name: str):
     if method == FULL:
         return DynamicCache(config=model.config)
-    policy = {"policy": policy_name} if method == "kvp" else {}
-    return KVPCache(model, method=method, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **policy)
+    options = method_options(method, policy_name)
+    return KVPCache(model, budget=1.0, max_cache_tokens=cap, evict_every=evict_every, **options)
 
 
 @contextmanager
@@ -183,7 +192,7 @@ def nll_table(nll: dict, caps: list[int]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     capped = scorers.methods()
-    capped = [m for m in capped if scorers.SCORERS[m].scores_decoded_tokens]
+    capped = [m for m in capped if scorers.SCORERS[m].scores_decoded_tokens] + [KVP_RESCORE]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--generate-tokens", type=int, default=4096)

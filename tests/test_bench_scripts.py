@@ -49,6 +49,16 @@ def test_bench_decode_times_the_scoring_of_decoded_tokens(llama):
     assert "score" not in vars(cache.settings.scorer)
     full = bench_decode.decode_run(llama, bench_decode.make_cache(llama, "full", None, 8, ""), prompt, 8, "t")
     assert full["scoring_share"] == 0 and full["scored_entries"] == 0
+    # kvp_rescore scores every entry held at each eviction: the cap, the tokens since, and the new one.
+    rescored = KVPCache(llama, policy=policy, budget=1.0, max_cache_tokens=32, evict_every=8, rescore=True)
+    run = bench_decode.decode_run(llama, rescored, prompt, 40, "test")
+    evictions = eviction_points([24] + [1] * 40, 32, 8)
+    assert run["scored_entries"] == len(evictions) * (32 + 8 + 1) * llama.config.num_hidden_layers
+    assert bench_decode.method_options("kvp_rescore", "p") == {
+        "method": "kvp",
+        "policy": "p",
+        "rescore": True,
+    }
 
 
 def test_bench_policy_splits_scoring_time_into_matrix_products_and_the_rest():
