@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(int(os.environ.get("KVP_TEST_THREADS", "1")))
 
 
-_COMMON = dict(
+TINY_SHAPE = dict(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
@@ -28,11 +28,11 @@ _COMMON = dict(
 )
 
 TINY_CONFIGS = {
-    "llama": lambda: LlamaConfig(**_COMMON),
-    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
-    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=None),
+    "llama": lambda: LlamaConfig(**TINY_SHAPE),
+    "qwen3": lambda: Qwen3Config(**TINY_SHAPE, head_dim=16),
+    "mistral": lambda: MistralConfig(**TINY_SHAPE, sliding_window=None),
     "gemma3": lambda: Gemma3TextConfig(
-        **{**_COMMON, "num_hidden_layers": 4},
+        **{**TINY_SHAPE, "num_hidden_layers": 4},
         head_dim=16,
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention"] * 2,

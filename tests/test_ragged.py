@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, tiny_model
+from conftest import TINY_CONFIGS, TINY_SHAPE, tiny_model
 from reference import (
     ATOL,
     ForwardRecorder,
@@ -232,16 +232,7 @@ def test_bad_allocation_arguments_are_refused_early():
     with pytest.raises(ValueError, match=r"min_per_head \(9\) exceeds the per-head budget \(4 entries"):
         model(ids(length=40), **{cache_kwarg(model): cache})
     assert model.config._attn_implementation == "eager"  # restored after the failed forward
-    config = Gemma2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attn_logit_softcapping=50.0,
-    )
+    config = Gemma2Config(**TINY_SHAPE, head_dim=16, attn_logit_softcapping=50.0)
     softcapped = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with pytest.raises(ValueError, match=r"cannot soft-cap .* gemma2 .*attn_logit_softcapping=50.0"):
         KVPCache(softcapped, method=PeakedNorm(), allocation="head")
