@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="entries every KV head of an adaptive row keeps at least, protected ones "
                        "included (default: the cache's, the sinks and window plus "
                        "kvp_cache.allocation.MIN_EXTRA_PER_HEAD)")  # fmt: skip
+    bench.add_argument("--kvp-rescore", action="store_true",
+                       help="the kvp rows score every held entry again at each eviction (KVPCache(..., "
+                       "rescore=True)); only the decode and decode_recall protocols answer differently")  # fmt: skip
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
     bench.add_argument("--samples", type=comma_list(int), default=None,

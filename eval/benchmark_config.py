@@ -35,6 +35,8 @@ TEMPLATE_TOKENS = 64
 ALL = "all"
 """The task or corpus of pooled rows: every sample of every task (corpus) of one protocol and length."""
 UNIFORM = "uniform"
+RESCORED = "+rescore"
+"""Appended to the policy that learned answers name when they come from ``kvp_rescore``."""
 KV_BYTES = "kv_bytes"
 """The shards of the measured KV bytes of every real-text row, one per prefix length."""
 
@@ -87,10 +89,15 @@ class BenchmarkConfig:
     ``min_per_head``, protected ones included); None: the cache's default, the protected entries plus
     :data:`kvp_cache.allocation.MIN_EXTRA_PER_HEAD`. Records name it with their adaptive answers, which
     another value recomputes (:func:`~eval.shards.missing_rows`).
+    kvp_rescore: the learned rows score every held entry again at each eviction (``KVPCache(...,
+    rescore=True)``). Only caches that evict more than once (``decode``, ``decode_recall``) answer
+    differently, but records name it with the policy of their learned answers, so rows made with and
+    without it are never mixed.
     """
 
     methods: list[str]
     policy: str | None = None
+    kvp_rescore: bool = False
     budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
     allocations: list[str] = field(default_factory=lambda: [UNIFORM, "head"])
     min_per_head: int | None = None
@@ -313,9 +320,9 @@ class BenchmarkConfig:
         methods = self.methods + ([ORACLE] if self.oracle else [])
         legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
         minimum = minimum_label(self.min_per_head)
-        return Fingerprint(
-            digest(keys), policy_sha256, digest(legacy), calibration_sha256, minimum, text_windows
-        )
+        # Learned answers name how they were scored with the policy that scored them.
+        learned = policy_sha256 + RESCORED if policy_sha256 and self.kvp_rescore else policy_sha256
+        return Fingerprint(digest(keys), learned, digest(legacy), calibration_sha256, minimum, text_windows)
 
 
 def minimum_label(min_per_head: int | None) -> int | str:
@@ -335,8 +342,9 @@ class Fingerprint:
 
     config: the hash of what every answer depends on (:meth:`BenchmarkConfig.fingerprint`), stored
         in each record; records of another one are never read.
-    policy: sha256 of the policy's ``model.safetensors`` (None without a policy); learned answers
-        of a record naming another policy are recomputed.
+    policy: sha256 of the policy's ``model.safetensors`` (None without a policy), followed by
+        :data:`RESCORED` with ``kvp_rescore``; learned answers of a record naming another policy are
+        recomputed.
     legacy: the fingerprint records had when it also hashed the method list, budgets and policy.
         Records carrying it were made with this configuration and policy: they are read as
         complete records of ``policy`` (and rewritten in today's format by the next run).

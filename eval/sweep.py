@@ -192,6 +192,7 @@ class AnswerDecoder:
     window_tokens: int
     policy: object = None
     question_whole: bool = True
+    learned_options: dict = field(default_factory=dict)  # more KVPCache options of the learned methods
 
     def __post_init__(self) -> None:
         self.pad = {"pad_token_id": self.tokenizer.pad_token_id or self.tokenizer.eos_token_id}
@@ -206,7 +207,7 @@ class AnswerDecoder:
             compress="first_prefill" if self.question_whole else "every_prefill",
         )
         if isinstance(method, str) and method in learned_methods():
-            options["policy"] = self.policy
+            options |= {"policy": self.policy, **self.learned_options}
         return options
 
     def compressed(self, prefilled: Prefill, methods: list, budget: Budget) -> KVPCache:

@@ -25,6 +25,7 @@ from eval.benchmark_config import (
     DECODE_RECALL,
     KV_BYTES,
     PERPLEXITY,
+    RESCORED,
     BenchmarkConfig,
     uniform_only,
 )
@@ -1275,3 +1276,21 @@ def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpor
     report = (tmp_path / "cmp.md").read_text()
     assert "| perplexity | all | 96 | kvp@0.5 |" in report
     assert f"**{sum(r['beyond'] for r in rows)} of {len(rows)} rows beyond.**" in report
+
+
+def test_kvp_rescore_recomputes_only_the_learned_decode_answers(tiny, tmp_path, fake_corpora, work):
+    """``kvp_rescore`` passes ``rescore=True`` to the learned rows; records name it with the policy, so
+    the learned answers of a run without it are recomputed and the baselines' are reused."""
+    model, tokenizer = tiny
+    policy = saved_policy(model, 0, tmp_path / "policy")
+    plain = run(model, tokenizer, decode_config(methods=["kvp", "knorm"], policy="tiny"), tmp_path, policy)
+    work.clear()
+    config = decode_config(methods=["kvp", "knorm"], policy="tiny", kvp_rescore=True)
+    rescored = run(model, tokenizer, config, tmp_path, policy)
+    assert work["continuation_nll"] == 2 * 2 * 3  # 2 corpora x 2 windows x 3 caps, kvp only
+    assert {r["policy"] for r in latest_records(tmp_path).values()} == {policy.weights_sha256 + RESCORED}
+    nll = {(r["corpus"], r["method"], r["budget"]): r["nll"] for r in plain["rows"]}
+    changed = {
+        r["method"] for r in rescored["rows"] if r["nll"] != nll[r["corpus"], r["method"], r["budget"]]
+    }
+    assert changed == {"kvp"}
