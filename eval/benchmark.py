@@ -111,7 +111,7 @@ class Benchmark:
                 config.sink_tokens,
                 config.window_tokens,
                 policy,
-                learned_options={"rescore": True} if config.kvp_rescore else {},
+                learned_options={"rescore": config.kvp_rescore},  # explicit: records name it
                 allocation=allocation,
                 min_per_head=config.min_per_head,
             )

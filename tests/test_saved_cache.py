@@ -201,6 +201,7 @@ def test_kvp_policy_is_found_by_its_record_and_checked_by_sha256(tmp_path):
     assert_same_state(cache, loaded)
     assert_same_answers(model, cache, loaded)
 
+    assert json.loads((tmp_path / "cache" / CONFIG_NAME).read_text())["method"]["options"]["rescore"] is False
     saved_policy(model, tmp_path / "other", seed=1)
     with pytest.raises(ValueError, match="has weights sha256 .* compressed with"):
         KVPCache.from_saved(tmp_path / "cache", model, policy=str(tmp_path / "other"))
