@@ -31,7 +31,7 @@ from train.calibrate import corpus_windows
 
 POLICY = "smollm2-135m-instruct"
 PROMPT, CONTINUATION, CHUNK, EVICT_EVERY = 1024, 2048, 16, 64
-METHODS = {"kvp": {"policy": POLICY}, "kvp_rescore": {"policy": POLICY, "rescore": True}, "snapkv": {}}
+METHODS = ("kvp", "kvp_rescore", "snapkv")
 OUT = Path(__file__).with_name("rescore_validation.json")
 
 
@@ -76,6 +76,13 @@ def main() -> None:
     caps = [int(c) for c in args.caps.split(",")]
     windows = {name: int(count) for name, count in (spec.split("=") for spec in args.windows.split(","))}
     model, tokenizer = load_model("smollm2")
+    policy = load_policy(POLICY)  # loaded once, shared by every kvp cache
+    options = {
+        "kvp": {"method": "kvp", "policy": policy},
+        "kvp_rescore": {"method": "kvp", "policy": policy, "rescore": True},
+        "snapkv": {"method": "snapkv"},
+    }
+    header = provenance("smollm2", "float32", "cpu", policy, sys.argv)
     record = json.loads(OUT.read_text()) if OUT.exists() else {"rows": []}
     done = {r["window"] for r in record["rows"]}
     examples = [
@@ -95,21 +102,19 @@ def main() -> None:
             )
             row = {"window": example.uid, "source": example.source, "full_nll": full}
             for cap in caps:
-                for method, options in METHODS.items():
-                    name = "kvp" if method.startswith("kvp") else method
+                for method in METHODS:
                     cache = KVPCache.from_prefill(
                         prefilled,
                         model,
-                        method=name,
                         budget=1.0,
                         max_cache_tokens=cap,
                         evict_every=EVICT_EVERY,
-                        **options,
+                        **options[method],
                     )
                     nll = float(continuation_nll(model, prefilled, cache, continuation, chunk_tokens=CHUNK))
                     row[f"{method}@{cap}"] = nll - full
             record["rows"].append(row)
-            record["provenance"] = provenance("smollm2", "float32", "cpu", load_policy(POLICY), sys.argv)
+            record["provenance"] = header
             record["summary"] = summary(record["rows"], caps)
             OUT.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(record["summary"], indent=1))
