@@ -1,5 +1,5 @@
 """KVP under a decode-time cap: each token scored once as it enters (the default) against every held
-entry scored again at each eviction (``rescore=True``). SmolLM2, the shipped policy, validation text.
+entry scored again at each eviction (``rescore=True``), with the model's shipped policy, on validation text.
 
 The windows are held-out documents of the training corpora (``train.calibrate.corpus_windows`` with
 ``held_out=True``, as ``python -m eval.headroom`` cuts them), never the benchmark's held-out corpora,
@@ -8,7 +8,9 @@ next 2,048 are read in chunks of 16 through ``max_cache_tokens`` (evict_every 64
 ``decode`` protocol reads them; the score is the mean NLL increase per token over the uncapped cache.
 
 Run from the repository root: ``PYTHONPATH=. python docs/decode/rescore/rescore_validation.py`` (resumes; about
-3 minutes per window on one CPU thread); writes ``rescore_validation.json`` next to this file.
+3 minutes per window on one CPU thread); writes ``rescore_validation.json`` next to this file, or
+``rescore_validation_<model>.json`` for another ``--model``. Gemma 3's windows start with its BOS
+(``train.data.text_examples``), which the prefill keeps.
 """
 
 import argparse
@@ -29,10 +31,8 @@ from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
 from train.calibrate import corpus_windows
 
-POLICY = "smollm2-135m-instruct"
-PROMPT, CONTINUATION, CHUNK, EVICT_EVERY = 1024, 2048, 16, 64
-METHODS = ("kvp", "kvp_rescore", "snapkv")
-OUT = Path(__file__).with_name("rescore_validation.json")
+SHIPPED = {"smollm2": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
+CHUNK, EVICT_EVERY = 16, 64
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,14 +41,27 @@ def parse_args() -> argparse.Namespace:
         "--windows", default="code=3,native_code=3,docs=2,dialogue=2", help="CORPUS=COUNT,..."
     )
     parser.add_argument("--caps", default="256,512", help="max_cache_tokens values, comma-separated")
+    parser.add_argument("--model", default="smollm2", choices=sorted(SHIPPED))
+    parser.add_argument(
+        "--methods",
+        default="kvp,kvp_rescore,snapkv",
+        help="comma-separated: kvp (scored once), kvp_rescore, and any baseline method name",
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--continuation-tokens", type=int, default=2048)
     return parser.parse_args()
 
 
-def summary(rows: list[dict], caps: list[int]) -> dict:
+def out_path(model: str) -> Path:
+    suffix = "" if model == "smollm2" else f"_{model}"
+    return Path(__file__).with_name(f"rescore_validation{suffix}.json")
+
+
+def summary(rows: list[dict], caps: list[int], methods: list[str]) -> dict:
     """Pooled mean NLL increase of every method and cap, and rescore's paired difference to each."""
     result = {}
     for cap in caps:
-        scores = {m: torch.tensor([r[f"{m}@{cap}"] for r in rows]) for m in METHODS}
+        scores = {m: torch.tensor([r[f"{m}@{cap}"] for r in rows]) for m in methods}
         sources = sorted({r["source"] for r in rows})
         by_source = {
             source: {m: s[[r["source"] == source for r in rows]].mean().item() for m, s in scores.items()}
@@ -74,27 +87,30 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     caps = [int(c) for c in args.caps.split(",")]
+    methods = args.methods.split(",")
     windows = {name: int(count) for name, count in (spec.split("=") for spec in args.windows.split(","))}
-    model, tokenizer = load_model("smollm2")
-    policy = load_policy(POLICY)  # loaded once, shared by every kvp cache
-    options = {
+    model, tokenizer = load_model(args.model)
+    policy = load_policy(SHIPPED[args.model])  # loaded once, shared by every kvp cache
+    learned = {
         "kvp": {"method": "kvp", "policy": policy},
         "kvp_rescore": {"method": "kvp", "policy": policy, "rescore": True},
-        "snapkv": {"method": "snapkv"},
     }
-    header = provenance("smollm2", "float32", "cpu", policy, sys.argv)
-    record = json.loads(OUT.read_text()) if OUT.exists() else {"rows": []}
+    options = {m: learned.get(m, {"method": m}) for m in methods}
+    header = provenance(args.model, "float32", "cpu", policy, sys.argv)
+    out = out_path(args.model)
+    record = json.loads(out.read_text()) if out.exists() else {"rows": []}
     done = {r["window"] for r in record["rows"]}
     examples = [
         e
         for name, count in windows.items()
-        for e in corpus_windows(tokenizer, name, count, PROMPT, CONTINUATION, 0, 0.12, held_out=True)
+        for e in corpus_windows(
+            tokenizer, name, count, args.prompt_tokens, args.continuation_tokens, 0, 0.12, held_out=True
+        )
     ]
     with torch.no_grad():
         for example in tqdm([e for e in examples if e.uid not in done], desc="windows", unit="window"):
-            ids = torch.tensor([example.prompt_ids + example.future_ids])
-            prefilled = prefill(model, ids[:, :PROMPT])
-            continuation = ids[:, PROMPT:]
+            prefilled = prefill(model, torch.tensor([example.prompt_ids]))
+            continuation = torch.tensor([example.future_ids])
             full = float(
                 continuation_nll(
                     model, prefilled, copy.deepcopy(prefilled.cache), continuation, chunk_tokens=CHUNK
@@ -102,7 +118,7 @@ def main() -> None:
             )
             row = {"window": example.uid, "source": example.source, "full_nll": full}
             for cap in caps:
-                for method in METHODS:
+                for method in methods:
                     cache = KVPCache.from_prefill(
                         prefilled,
                         model,
@@ -115,8 +131,8 @@ def main() -> None:
                     row[f"{method}@{cap}"] = nll - full
             record["rows"].append(row)
             record["provenance"] = header
-            record["summary"] = summary(record["rows"], caps)
-            OUT.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+            record["summary"] = summary(record["rows"], caps, methods)
+            out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(record["summary"], indent=1))
 
 
