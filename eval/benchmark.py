@@ -167,14 +167,14 @@ class Benchmark:
             for index in range(max((cell.count for cell in cells), default=0))
             for cell in cells
             if index < cell.count
-            and (rows := missing_rows(cell.grid, self.fingerprint, cell.records.get(index)))
+            and (rows := missing_rows(cell.grid, cell.shard.fingerprint, cell.records.get(index)))
         ]
         top_ups = sum(index in cell.records for cell, index, _ in work)
         for cell, index, rows in tqdm(work, desc=f"benchmark ({top_ups} top-ups)", unit="sample"):
             start, cpu_start = time.perf_counter(), time.process_time()
             new = cell.compute(index, rows)
             new.update(seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start)
-            cell.records[index] = topped_up(cell.records.get(index), new, self.fingerprint)
+            cell.records[index] = topped_up(cell.records.get(index), new, cell.shard.fingerprint)
             cell.shard.append({"index": index, **cell.records[index]})
         for context in self.config.text_contexts if self.config.corpora else []:
             self.measure_kv_bytes(context)

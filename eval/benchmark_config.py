@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from eval import realtext
@@ -27,6 +27,8 @@ NEEDLE_PROTOCOLS = ("question_in", "question_after")
 PERPLEXITY = "perplexity"
 DECODE = "decode"
 DECODE_RECALL = "decode_recall"
+CAPPED_PROTOCOLS = (DECODE, DECODE_RECALL)
+"""The protocols whose caches evict more than once (under ``max_cache_tokens``)."""
 RECALL_TASKS = ("niah_single", "niah_multikey")
 RECALL_CORPUS = "kjv"
 """The held-out prose the ``decode_recall`` protocol reads between a needle and its question."""
@@ -36,7 +38,8 @@ ALL = "all"
 """The task or corpus of pooled rows: every sample of every task (corpus) of one protocol and length."""
 UNIFORM = "uniform"
 RESCORED = "+rescore"
-"""Appended to the policy that learned answers name when they come from ``kvp_rescore``."""
+"""Appended to the policy that learned answers of :data:`CAPPED_PROTOCOLS` name when they come from
+``kvp_rescore``."""
 KV_BYTES = "kv_bytes"
 """The shards of the measured KV bytes of every real-text row, one per prefix length."""
 
@@ -90,9 +93,10 @@ class BenchmarkConfig:
     :data:`kvp_cache.allocation.MIN_EXTRA_PER_HEAD`. Records name it with their adaptive answers, which
     another value recomputes (:func:`~eval.shards.missing_rows`).
     kvp_rescore: the learned rows score every held entry again at each eviction (``KVPCache(...,
-    rescore=True)``). Only caches that evict more than once (``decode``, ``decode_recall``) answer
-    differently, but records name it with the policy of their learned answers, so rows made with and
-    without it are never mixed.
+    rescore=True)``). Only caches that evict more than once (:data:`CAPPED_PROTOCOLS`) answer
+    differently, so only their records name it with the policy of their learned answers
+    (:meth:`Fingerprint.for_protocol`): rows made with and without it are never mixed, and the
+    prefill protocols' answers are reused.
     """
 
     methods: list[str]
@@ -320,9 +324,15 @@ class BenchmarkConfig:
         methods = self.methods + ([ORACLE] if self.oracle else [])
         legacy = {"methods": methods, "budgets": self.budgets, "policy": policy_sha256, **keys}
         minimum = minimum_label(self.min_per_head)
-        # Learned answers name how they were scored with the policy that scored them.
-        learned = policy_sha256 + RESCORED if policy_sha256 and self.kvp_rescore else policy_sha256
-        return Fingerprint(digest(keys), learned, digest(legacy), calibration_sha256, minimum, text_windows)
+        return Fingerprint(
+            digest(keys),
+            policy_sha256,
+            digest(legacy),
+            calibration_sha256,
+            minimum,
+            text_windows,
+            self.kvp_rescore,
+        )
 
 
 def minimum_label(min_per_head: int | None) -> int | str:
@@ -342,9 +352,9 @@ class Fingerprint:
 
     config: the hash of what every answer depends on (:meth:`BenchmarkConfig.fingerprint`), stored
         in each record; records of another one are never read.
-    policy: sha256 of the policy's ``model.safetensors`` (None without a policy), followed by
-        :data:`RESCORED` with ``kvp_rescore``; learned answers of a record naming another policy are
-        recomputed.
+    policy: sha256 of the policy's ``model.safetensors`` (None without a policy); learned answers of
+        a record naming another policy are recomputed. The shards of :data:`CAPPED_PROTOCOLS` read it
+        followed by :data:`RESCORED` with ``rescore`` (:meth:`for_protocol`).
     legacy: the fingerprint records had when it also hashed the method list, budgets and policy.
         Records carrying it were made with this configuration and policy: they are read as
         complete records of ``policy`` (and rewritten in today's format by the next run).
@@ -356,6 +366,7 @@ class Fingerprint:
         (:func:`~eval.shards.recorded_minimum` reads records made before the label).
     text_windows: what the real-text records read must carry as ``windows``
         (:func:`eval.realtext.placement`).
+    rescore: :attr:`BenchmarkConfig.kvp_rescore`.
     """
 
     config: str
@@ -364,3 +375,11 @@ class Fingerprint:
     calibration: str | None
     min_per_head: int | str
     text_windows: str
+    rescore: bool = False
+
+    def for_protocol(self, protocol: str) -> Fingerprint:
+        """The fingerprint the shards of ``protocol`` carry: under a cap, learned answers also name
+        how held entries were scored, since only there do the two ways answer differently."""
+        if protocol in CAPPED_PROTOCOLS and self.rescore and self.policy:
+            return replace(self, policy=self.policy + RESCORED)
+        return self

@@ -171,7 +171,8 @@ def collect_rows(config: BenchmarkConfig, out: Path, fingerprint: Fingerprint) -
         """The cell's records in index order and the rows of its grid (default ``config.grid()``)
         that all of them hold; None while the full cache's row is not done."""
         cell_grid = config.grid() if cell_grid is None else cell_grid
-        missing = [set(missing_rows(cell_grid, fingerprint, found.get(i))) for i in range(wanted)]
+        protocol_fingerprint = fingerprint.for_protocol(cell["protocol"])
+        missing = [set(missing_rows(cell_grid, protocol_fingerprint, found.get(i))) for i in range(wanted)]
         grid = [row for row in cell_grid if not any(row in m for m in missing)]
         if len(grid) < len(cell_grid):
             methods = sorted({method for m in missing for method, _ in m})

@@ -23,7 +23,9 @@ from kvp_cache.scorers import methods
 
 def shard(out: Path, fingerprint: Fingerprint, *parts: object, fields: dict | None = None) -> Shard:
     """The shard of cell ``parts`` (protocol, task or corpus, length) under ``out/shards``; ``fields``:
-    what its records must carry (real text: the window placement, ``fingerprint.text_windows``)."""
+    what its records must carry (real text: the window placement, ``fingerprint.text_windows``).
+    Its records are read and written under ``fingerprint.for_protocol(protocol)``."""
+    fingerprint = fingerprint.for_protocol(parts[0])
     if parts[0] == PERPLEXITY:
         fields = {"windows": fingerprint.text_windows}
     return Shard(Path(out) / "shards" / Path(*map(str, parts)).with_suffix(".jsonl"), fingerprint, fields)

@@ -1279,18 +1279,22 @@ def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpor
 
 
 def test_kvp_rescore_recomputes_only_the_learned_decode_answers(tiny, tmp_path, fake_corpora, work):
-    """``kvp_rescore`` passes ``rescore=True`` to the learned rows; records name it with the policy, so
-    the learned answers of a run without it are recomputed and the baselines' are reused."""
+    """``kvp_rescore`` passes ``rescore=True`` to the learned rows; only the capped protocols' records
+    name it with the policy, so there the learned answers of a run without it are recomputed and the
+    baselines' reused, while the prefill protocols (one eviction: the same answers) are reused whole."""
     model, tokenizer = tiny
     policy = saved_policy(model, 0, tmp_path / "policy")
-    plain = run(model, tokenizer, decode_config(methods=["kvp", "knorm"], policy="tiny"), tmp_path, policy)
+    options = dict(methods=["kvp", "knorm"], policy="tiny", text_contexts=[64], text_windows={64: 2})
+    plain = run(model, tokenizer, decode_config(**options), tmp_path, policy)
     work.clear()
-    config = decode_config(methods=["kvp", "knorm"], policy="tiny", kvp_rescore=True)
-    rescored = run(model, tokenizer, config, tmp_path, policy)
-    assert work["continuation_nll"] == 2 * 2 * 3  # 2 corpora x 2 windows x 3 caps, kvp only
-    assert {r["policy"] for r in latest_records(tmp_path).values()} == {policy.weights_sha256 + RESCORED}
-    nll = {(r["corpus"], r["method"], r["budget"]): r["nll"] for r in plain["rows"]}
+    rescored = run(model, tokenizer, decode_config(**options, kvp_rescore=True), tmp_path, policy)
+    assert work["continuation_nll"] == 2 * 2 * 3  # 2 corpora x 2 windows x 3 caps, kvp's decode rows only
+    named = {shard.split("/")[1]: r["policy"] for (shard, _), r in latest_records(tmp_path).items()}
+    assert named == {DECODE: policy.weights_sha256 + RESCORED, PERPLEXITY: policy.weights_sha256}
+    nll = {(r["protocol"], r["corpus"], r["method"], r["budget"]): r["nll"] for r in plain["rows"]}
     changed = {
-        r["method"] for r in rescored["rows"] if r["nll"] != nll[r["corpus"], r["method"], r["budget"]]
+        (r["protocol"], r["method"])
+        for r in rescored["rows"]
+        if r["nll"] != nll[r["protocol"], r["corpus"], r["method"], r["budget"]]
     }
-    assert changed == {"kvp"}
+    assert changed == {(DECODE, "kvp")}
