@@ -57,11 +57,12 @@ def out_path(model: str) -> Path:
     return Path(__file__).with_name(f"rescore_validation{suffix}.json")
 
 
-def summary(rows: list[dict], caps: list[int], methods: list[str]) -> dict:
-    """Pooled mean NLL increase of every method and cap, and rescore's paired difference to each."""
+def summary(rows: list[dict], settings: list, methods: list[str]) -> dict:
+    """Pooled mean NLL increase of every method and setting (cap or budget: rows name answers
+    ``<method>@<setting>``), and rescore's paired difference to each."""
     result = {}
-    for cap in caps:
-        scores = {m: torch.tensor([r[f"{m}@{cap}"] for r in rows]) for m in methods}
+    for setting in settings:
+        scores = {m: torch.tensor([r[f"{m}@{setting}"] for r in rows]) for m in methods}
         sources = sorted({r["source"] for r in rows})
         by_source = {
             source: {m: s[[r["source"] == source for r in rows]].mean().item() for m, s in scores.items()}
@@ -75,12 +76,22 @@ def summary(rows: list[dict], caps: list[int], methods: list[str]) -> dict:
                     "mean": difference.mean().item(),
                     "interval": bootstrap_interval(difference.tolist()),
                 }
-        result[str(cap)] = {
+        result[str(setting)] = {
             "mean": {m: s.mean().item() for m, s in scores.items()},
             "by_source": by_source,
             "rescore_minus": paired,
         }
     return result
+
+
+def method_options(methods: list[str], policy) -> dict[str, dict]:
+    """``KVPCache`` options of each method name: ``kvp`` (each token scored once), ``kvp_rescore``, or
+    a baseline's registry name."""
+    learned = {
+        "kvp": {"method": "kvp", "policy": policy},
+        "kvp_rescore": {"method": "kvp", "policy": policy, "rescore": True},
+    }
+    return {m: learned.get(m, {"method": m}) for m in methods}
 
 
 def main() -> None:
@@ -91,11 +102,7 @@ def main() -> None:
     windows = {name: int(count) for name, count in (spec.split("=") for spec in args.windows.split(","))}
     model, tokenizer = load_model(args.model)
     policy = load_policy(SHIPPED[args.model])  # loaded once, shared by every kvp cache
-    learned = {
-        "kvp": {"method": "kvp", "policy": policy},
-        "kvp_rescore": {"method": "kvp", "policy": policy, "rescore": True},
-    }
-    options = {m: learned.get(m, {"method": m}) for m in methods}
+    options = method_options(methods, policy)
     header = provenance(args.model, "float32", "cpu", policy, sys.argv)
     out = out_path(args.model)
     record = json.loads(out.read_text()) if out.exists() else {"rows": []}
