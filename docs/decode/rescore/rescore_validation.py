@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,31 +31,36 @@ from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
 from train.calibrate import corpus_windows
+from train.data import Example
 
 SHIPPED = {"smollm2": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
 CHUNK, EVICT_EVERY = 16, 64
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--windows", default="code=3,native_code=3,docs=2,dialogue=2", help="CORPUS=COUNT,..."
-    )
-    parser.add_argument("--caps", default="256,512", help="max_cache_tokens values, comma-separated")
+def common_arguments(description: str, windows: str, methods: str, lengths: tuple[int, int]):
+    """The arguments of every experiment here; ``windows``, ``methods`` and ``lengths`` (prompt,
+    continuation) are its defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--windows", default=windows, help="CORPUS=COUNT,...")
     parser.add_argument("--model", default="smollm2", choices=sorted(SHIPPED))
     parser.add_argument(
         "--methods",
-        default="kvp,kvp_rescore,snapkv",
-        help="comma-separated: kvp (scored once), kvp_rescore, and any baseline method name",
+        default=methods,
+        help="comma-separated: kvp (scored once), kvp_rescore, any baseline method",
     )
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
-    parser.add_argument("--continuation-tokens", type=int, default=2048)
-    return parser.parse_args()
+    parser.add_argument("--prompt-tokens", type=int, default=lengths[0])
+    parser.add_argument("--continuation-tokens", type=int, default=lengths[1])
+    return parser
 
 
-def out_path(model: str) -> Path:
-    suffix = "" if model == "smollm2" else f"_{model}"
-    return Path(__file__).with_name(f"rescore_validation{suffix}.json")
+def method_options(methods: list[str], policy) -> dict[str, dict]:
+    """``KVPCache`` options of each method name: ``kvp`` (each token scored once), ``kvp_rescore``, or
+    a baseline's registry name."""
+    learned = {
+        "kvp": {"method": "kvp", "policy": policy},
+        "kvp_rescore": {"method": "kvp", "policy": policy, "rescore": True},
+    }
+    return {m: learned.get(m, {"method": m}) for m in methods}
 
 
 def summary(rows: list[dict], settings: list, methods: list[str]) -> dict:
@@ -84,28 +90,30 @@ def summary(rows: list[dict], settings: list, methods: list[str]) -> dict:
     return result
 
 
-def method_options(methods: list[str], policy) -> dict[str, dict]:
-    """``KVPCache`` options of each method name: ``kvp`` (each token scored once), ``kvp_rescore``, or
-    a baseline's registry name."""
-    learned = {
-        "kvp": {"method": "kvp", "policy": policy},
-        "kvp_rescore": {"method": "kvp", "policy": policy, "rescore": True},
-    }
-    return {m: learned.get(m, {"method": m}) for m in methods}
+Measure = Callable[[object, Example, dict[str, dict]], dict]
+"""``(model, window, options of each method) -> {"full_nll": nll, "<method>@<setting>": increase}``."""
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace, stem: str, settings: list, measure: Measure) -> None:
+    """Measure every validation window not yet in ``<stem>[_<model>].json`` next to this file, writing
+    the record with its provenance and summary after each. A record of other settings is refused."""
     torch.set_num_threads(1)
-    caps = [int(c) for c in args.caps.split(",")]
     methods = args.methods.split(",")
     windows = {name: int(count) for name, count in (spec.split("=") for spec in args.windows.split(","))}
     model, tokenizer = load_model(args.model)
     policy = load_policy(SHIPPED[args.model])  # loaded once, shared by every kvp cache
     options = method_options(methods, policy)
     header = provenance(args.model, "float32", "cpu", policy, sys.argv)
-    out = out_path(args.model)
-    record = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    suffix = "" if args.model == "smollm2" else f"_{args.model}"
+    out = Path(__file__).with_name(f"{stem}{suffix}.json")
+    settings_of_rows = vars(args)
+    record = json.loads(out.read_text()) if out.exists() else {"rows": [], "settings": settings_of_rows}
+    if record.get("settings", settings_of_rows) != settings_of_rows:
+        # Windows are cut anew for each count, so the same name can be another window.
+        raise SystemExit(
+            f"{out} was measured with {record['settings']}, not {settings_of_rows}: move it away"
+        )
+    record["settings"] = settings_of_rows
     done = {r["window"] for r in record["rows"]}
     examples = [
         e
@@ -116,31 +124,39 @@ def main() -> None:
     ]
     with torch.no_grad():
         for example in tqdm([e for e in examples if e.uid not in done], desc="windows", unit="window"):
-            prefilled = prefill(model, torch.tensor([example.prompt_ids]))
-            continuation = torch.tensor([example.future_ids])
-            full = float(
-                continuation_nll(
-                    model, prefilled, copy.deepcopy(prefilled.cache), continuation, chunk_tokens=CHUNK
-                )
-            )
-            row = {"window": example.uid, "source": example.source, "full_nll": full}
-            for cap in caps:
-                for method in methods:
-                    cache = KVPCache.from_prefill(
-                        prefilled,
-                        model,
-                        budget=1.0,
-                        max_cache_tokens=cap,
-                        evict_every=EVICT_EVERY,
-                        **options[method],
-                    )
-                    nll = float(continuation_nll(model, prefilled, cache, continuation, chunk_tokens=CHUNK))
-                    row[f"{method}@{cap}"] = nll - full
+            row = {"window": example.uid, "source": example.source, **measure(model, example, options)}
             record["rows"].append(row)
             record["provenance"] = header
-            record["summary"] = summary(record["rows"], caps, methods)
+            record["summary"] = summary(record["rows"], settings, methods)
             out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(json.dumps(record["summary"], indent=1))
+
+
+def main() -> None:
+    parser = common_arguments(__doc__.split("\n")[0], "code=3,native_code=3,docs=2,dialogue=2",
+                              "kvp,kvp_rescore,snapkv", (1024, 2048))  # fmt: skip
+    parser.add_argument("--caps", default="256,512", help="max_cache_tokens values, comma-separated")
+    args = parser.parse_args()
+    caps = [int(c) for c in args.caps.split(",")]
+
+    def measure(model, example: Example, options: dict[str, dict]) -> dict:
+        prefilled = prefill(model, torch.tensor([example.prompt_ids]))
+        continuation = torch.tensor([example.future_ids])
+
+        def nll(cache) -> float:
+            return float(continuation_nll(model, prefilled, cache, continuation, chunk_tokens=CHUNK))
+
+        full = nll(copy.deepcopy(prefilled.cache))
+        row = {"full_nll": full}
+        for cap in caps:
+            for method, chosen in options.items():
+                cache = KVPCache.from_prefill(
+                    prefilled, model, budget=1.0, max_cache_tokens=cap, evict_every=EVICT_EVERY, **chosen
+                )
+                row[f"{method}@{cap}"] = nll(cache) - full
+        return row
+
+    run(args, "rescore_validation", caps, measure)
 
 
 if __name__ == "__main__":
