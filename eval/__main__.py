@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "kvp_cache.allocation.MIN_EXTRA_PER_HEAD)")  # fmt: skip
     bench.add_argument("--kvp-rescore", action="store_true",
                        help="the kvp rows score every held entry again at each eviction (KVPCache(..., "
-                       "rescore=True)); only the decode and decode_recall protocols answer differently")  # fmt: skip
+                       "rescore=True)); only the decode and decode_recall protocols answer differently, so only their "
+                       "learned rows are recomputed")  # fmt: skip
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
     bench.add_argument("--samples", type=comma_list(int), default=None,
