@@ -31,6 +31,7 @@ from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
 from train.calibrate import corpus_windows
+from train.collect import parse_windows
 from train.data import Example
 
 SHIPPED = {"smollm2": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace, stem: str, settings: list, measure: Measure) -
     the record with its provenance and summary after each. A record of other settings is refused."""
     torch.set_num_threads(1)
     methods = args.methods.split(",")
-    windows = {name: int(count) for name, count in (spec.split("=") for spec in args.windows.split(","))}
+    windows = parse_windows(args.windows.split(","))
     model, tokenizer = load_model(args.model)
     policy = load_policy(SHIPPED[args.model])  # loaded once, shared by every kvp cache
     options = method_options(methods, policy)
