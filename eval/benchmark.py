@@ -417,5 +417,6 @@ def benchmark_result(config: BenchmarkConfig, out: Path, fingerprint: Fingerprin
             for name in config.corpora
         },
         "fingerprint": fingerprint.config,
+        "text_windows": fingerprint.text_windows,
         **collected,
     }

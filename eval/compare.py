@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from eval import realtext
 from eval.benchmark_config import ALL, DECODE, PERPLEXITY, BenchmarkConfig, Fingerprint
 from eval.benchmark_rows import needle_cells, text_cells
 from eval.shards import is_learned, missing_rows, shard
@@ -44,9 +45,11 @@ class Run:
         result = json.loads(path.read_text())
         config = BenchmarkConfig.from_record(result["config"])
         policy = result["provenance"].get("policy") or {}
-        # The recorded hash, not a recomputed one: recorded paths are portable names.
+        # The recorded hash, not a recomputed one: recorded paths are portable names. Results
+        # written before they recorded the window placement read windows without a BOS.
+        placement = result.get("text_windows", realtext.WINDOWS)
         fingerprint = dataclasses.replace(
-            config.fingerprint(policy.get("sha256"), policy.get("calibration_sha256")),
+            config.fingerprint(policy.get("sha256"), policy.get("calibration_sha256"), placement),
             config=result["fingerprint"],
         )
         return cls(Path(out), config, fingerprint, result["provenance"])
@@ -79,6 +82,11 @@ def paired_samples(new: Run, base: Run) -> dict[tuple, list[tuple[float, float]]
         raise ValueError(
             f"the runs were made on different samples (config fingerprints {new.fingerprint.config} and "
             f"{base.fingerprint.config}): compare runs of the same benchmark settings"
+        )
+    if new.fingerprint.text_windows != base.fingerprint.text_windows:
+        raise ValueError(
+            f"the runs read real-text windows differently ({new.fingerprint.text_windows} and "
+            f"{base.fingerprint.text_windows}): run `python -m eval benchmark --no-run` on the older one"
         )
     pairs: dict[tuple, list[tuple[float, float]]] = {}
     for protocol, name, length, fields in cells(new):

@@ -1232,9 +1232,10 @@ def test_canonical_benchmarks_regenerate_their_reports(path):
 
 
 def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpora, capsys):
+    """Text windows start with a BOS, as Gemma 3's do: compare reads the records of that placement."""
     from eval.compare import Run, compare
 
-    model, tokenizer = tiny
+    model, tokenizer = tiny[0], WithBos(tiny[1])
     options = dict(screened_tasks=[], protocols=["question_in"], corpora=["chitchat", "kjv"], samples={256: 2},
                    text_windows={96: 3}, methods=["knorm", "kvp"], policy="tiny")  # fmt: skip
     runs = {}
@@ -1267,6 +1268,13 @@ def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpor
     assert all(r["difference"] == 0 and not r["beyond"] for r in itself)
     with pytest.raises(ValueError, match="different samples"):
         compare(Run.load(tmp_path / "a"), Run.load(tmp_path / "other"))
+    assert Run.load(tmp_path / "a").fingerprint.text_windows == realtext.WINDOWS + "+bos"
+    older = json.loads((tmp_path / "b" / "benchmark.json").read_text())
+    del older["text_windows"]  # written before results recorded the placement: windows without a BOS
+    (tmp_path / "b" / "benchmark.json").write_text(json.dumps(older))
+    with pytest.raises(ValueError, match="read real-text windows differently"):
+        compare(Run.load(tmp_path / "a"), Run.load(tmp_path / "b"))
+    (tmp_path / "b" / "benchmark.json").write_text(json.dumps(runs["b"]))
     with pytest.raises(FileNotFoundError, match="python -m eval benchmark"):
         Run.load(tmp_path)
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]) == 0
