@@ -738,8 +738,24 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     gemma_fit = reproduce.fit_config(tmp_path, tmp_path / "fit", model="gemma3-270m")
     gemma_fit.validate()
     assert gemma_fit.train_split == "train"
-    assert_fit_made_the_shipped_policy(gemma_fit, "gemma3-270m")
-    assert reproduce.RECIPES["gemma3-270m"].finetune is None
+    gemma_first_fit = REPO / "docs/gemma3/first_fit_policy"
+    assert_fit_made_the_shipped_policy(gemma_fit, str(gemma_first_fit))
+    # Its fine-tune: docs/decode/gemma3/training_runs.json's records of the shipped a03LE.
+    runs = json.loads((REPO / "docs/decode/gemma3/training_runs.json").read_text())
+    collections = reproduce.finetune_collect_configs(tmp_path / "tune", "gemma3-270m", "<pg_essays>")
+    recorded = ("collect-train_decode-s11", "collect-train_long-s11", "collect-train_essays-s11")
+    for config, name in zip(collections, recorded, strict=True):
+        config.validate()
+        settings = json.loads(json.dumps(asdict(config)))
+        assert settings.pop("out") == str(tmp_path / "tune")
+        assert settings == runs[name]["settings"]
+    tune = reproduce.finetune_fit_config(tmp_path / "tune", tmp_path / "ft", gemma_first_fit, "gemma3-270m")
+    tune.validate()
+    tuned, recorded_fit = asdict(tune) | where, runs["fit-a03LE"]["fit_settings"] | where
+    assert {k: tuned[k] for k in recorded_fit} == recorded_fit
+    start_sha = load_policy(str(gemma_first_fit)).weights_sha256
+    assert load_policy("gemma3-270m").training_info["init_from"].endswith(f"(sha256 {start_sha})")
+    assert_fit_made_the_shipped_policy(tune, "gemma3-270m")
     assert not reproduce.RECIPES["gemma3-270m"].calibrated
     assert load_policy("gemma3-270m").calibration is None
 

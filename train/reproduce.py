@@ -39,7 +39,12 @@ The recipes (:data:`RECIPES`):
   prompts with the question inside, 15 asked after). Only its 3 global layers are traced and
   fitted. ListNet on the paper's ``attention`` target, 32 hidden units. 53 minutes of collection
   (0.9 GB), 2 of fitting (docs/training_report_gemma3.md; more data and other targets were tried
-  and not shipped, same report).
+  and not shipped, same report). Then the fine-tune that serves decoding too (docs/decode/README.md,
+  "a03LE"): 88 sequences of a 1,024-token prompt and 1,024 tokens traced as they are decoded under
+  a cap of 256, 24 prefill candidates of 4,096-8,192 tokens (code, docs, ``niah_single``), and 30
+  of 1,024-8,192 tokens read from the essays (16 windows, 20 essay-haystack needle prompts); 400
+  steps of ListNet on ``attention_evictable`` with ``--anchor 0.3`` (13 + 26 + 18 minutes of
+  collection, 3 of fitting).
 """
 
 from __future__ import annotations
@@ -65,12 +70,15 @@ class FineTune:
     """A second fit from the first one's weights: collections into their own trace directory, each
     ``("prefill", CollectConfig fields)`` or ``("decode", DecodeCollectConfig fields)`` in the order
     the fit reads their splits; then ``steps`` of ListNet at ``lr`` on every split, ``anchor`` of
-    the target being the start weights' ranking."""
+    the target being the start weights' ranking. A collection with ``essays`` windows reads the essays
+    (its needles then hide in them too); the others read none."""
 
     collections: tuple[tuple[str, dict], ...]
     steps: int = 100
     lr: float = 1e-3
     anchor: float = 0.8
+    eval_every: int = 10
+    target: str | None = None  # None: the first fit's
 
 
 @dataclass(frozen=True)
@@ -183,6 +191,50 @@ RECIPES = {
         ),
         hidden_dim=32,
         target="attention",
+        finetune=FineTune(
+            (
+                (
+                    "decode",
+                    dict(
+                        windows={"code": 24, "native_code": 20, "docs": 20, "dialogue": 24},
+                        train_name="train_decode",
+                        val_name="val_decode",
+                        seed=1,
+                    ),
+                ),
+                (
+                    "prefill",
+                    dict(
+                        FINETUNE_PREFILL,
+                        synthetic=8,
+                        synthetic_after=4,
+                        tasks=["niah_single"],
+                        windows={"code": 8, "native_code": 6, "docs": 6},
+                        context_tokens=(4096, 8192),
+                        train_name="train_long",
+                        val_name="val_long",
+                        seed=3,
+                    ),
+                ),
+                (
+                    "prefill",
+                    dict(
+                        FINETUNE_PREFILL,
+                        synthetic=12,
+                        synthetic_after=8,
+                        windows={"essays": 16},
+                        context_tokens=(1024, 8192),
+                        train_name="train_essays",
+                        val_name="val_essays",
+                        seed=4,
+                    ),
+                ),
+            ),
+            steps=400,
+            anchor=0.3,
+            eval_every=20,
+            target="attention_evictable",
+        ),
     ),
 }
 
@@ -223,13 +275,18 @@ def fit_config(traces: Path, out: Path, objective: str = "listnet", model: str =
 
 
 def finetune_collect_configs(
-    traces: Path, model: str = "smollm2"
+    traces: Path, model: str = "smollm2", essays_dir: str | None = None
 ) -> list[CollectConfig | DecodeCollectConfig]:
-    """Step 4's collections into ``traces``. Unlike step 1 they read no essays (their needles hide in
-    RULER's noise haystack)."""
+    """Step 4's collections into ``traces``. Only those with ``essays`` windows read ``essays_dir``;
+    the others' needles hide in RULER's noise haystack."""
     kinds = {"prefill": CollectConfig, "decode": DecodeCollectConfig}
     return [
-        kinds[kind](str(traces), model=model, **settings)
+        kinds[kind](
+            str(traces),
+            model=model,
+            essays_dir=essays_dir if "essays" in settings.get("windows", {}) else None,
+            **settings,
+        )
         for kind, settings in RECIPES[model].finetune.collections
     ]
 
@@ -239,12 +296,14 @@ def finetune_fit_config(traces: Path, out: Path, start: Path, model: str = "smol
     a faster-moving average of the weights; on every collection's splits."""
     finetune = RECIPES[model].finetune
     collections = finetune_collect_configs(traces, model)
+    first_fit = fit_config(traces, out, model=model)
     return replace(
-        fit_config(traces, out, model=model),
+        first_fit,
+        target=finetune.target or first_fit.target,
         steps=finetune.steps,
         lr=finetune.lr,
         warmup=5,
-        eval_every=10,
+        eval_every=finetune.eval_every,
         ema_decay=0.95,
         init_from=str(start),
         anchor=finetune.anchor,
@@ -291,7 +350,7 @@ def reproduce_command(args: argparse.Namespace) -> None:
         run_downstream(DownstreamConfig(str(traces), str(report), split=split, policy=[f"kvp={policy_dir}"]))
     if recipe.finetune is not None:
         tune_traces = run_dir / "finetune_traces"
-        tune_collections = finetune_collect_configs(tune_traces, args.model)
+        tune_collections = finetune_collect_configs(tune_traces, args.model, args.essays_dir)
         for config in tune_collections:
             (collect_decode if isinstance(config, DecodeCollectConfig) else collect)(config)
         policy_dir = fit(finetune_fit_config(tune_traces, run_dir / "finetune", policy_dir, args.model))
