@@ -705,23 +705,11 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     assert fit_config.val_split.split("+") == [main.val_name, native.val_name]
 
     # The fine-tune: the collections and the anchored fit docs/decode/training_runs.json records.
-    runs = json.loads((REPO / "docs/decode/training_runs.json").read_text())
-    collections = reproduce.finetune_collect_configs(tmp_path / "tune")
-    recorded = ("collection_train", "collection_train_decode", "collection_train_long")
-    for config, name in zip(collections, recorded, strict=True):
-        config.validate()
-        settings = json.loads(json.dumps(asdict(config)))
-        assert settings.pop("out") == str(tmp_path / "tune")
-        assert settings == runs[name]["settings"]
-    tune = reproduce.finetune_fit_config(tmp_path / "tune", tmp_path / "ft", first_fit)
-    tune.validate()
-    where = {"traces": None, "out": None, "init_from": None}  # paths of the run that made it
-    tuned, recorded_fit = asdict(tune) | where, runs["fit-anchor08long"]["fit_settings"] | where
-    assert {k: tuned[k] for k in recorded_fit} == recorded_fit
+    recorded = ("collection_train", "collection_train_decode", "collection_train_long", "fit-anchor08long")
+    tune = assert_finetune_is_recorded(
+        tmp_path, "smollm2", first_fit, "docs/decode/training_runs.json", recorded
+    )
     assert tune.layers is None  # every layer: the fit ran before `layers` was a setting
-    start_sha = load_policy(str(first_fit)).weights_sha256
-    assert load_policy("smollm2-135m-instruct").training_info["init_from"].endswith(f"(sha256 {start_sha})")
-    assert_fit_made_the_shipped_policy(tune, "smollm2-135m-instruct")
 
     assert reproduce.RECIPES["smollm2"].calibrated
     shipped_calibration = load_policy("smollm2-135m-instruct").calibration.record
@@ -741,21 +729,10 @@ def test_reproduce_configs_are_the_shipped_recipe(tmp_path):
     gemma_first_fit = REPO / "docs/gemma3/first_fit_policy"
     assert_fit_made_the_shipped_policy(gemma_fit, str(gemma_first_fit))
     # Its fine-tune: docs/decode/gemma3/training_runs.json's records of the shipped a03LE.
-    runs = json.loads((REPO / "docs/decode/gemma3/training_runs.json").read_text())
-    collections = reproduce.finetune_collect_configs(tmp_path / "tune", "gemma3-270m", "<pg_essays>")
-    recorded = ("collect-train_decode-s11", "collect-train_long-s11", "collect-train_essays-s11")
-    for config, name in zip(collections, recorded, strict=True):
-        config.validate()
-        settings = json.loads(json.dumps(asdict(config)))
-        assert settings.pop("out") == str(tmp_path / "tune")
-        assert settings == runs[name]["settings"]
-    tune = reproduce.finetune_fit_config(tmp_path / "tune", tmp_path / "ft", gemma_first_fit, "gemma3-270m")
-    tune.validate()
-    tuned, recorded_fit = asdict(tune) | where, runs["fit-a03LE"]["fit_settings"] | where
-    assert {k: tuned[k] for k in recorded_fit} == recorded_fit
-    start_sha = load_policy(str(gemma_first_fit)).weights_sha256
-    assert load_policy("gemma3-270m").training_info["init_from"].endswith(f"(sha256 {start_sha})")
-    assert_fit_made_the_shipped_policy(tune, "gemma3-270m")
+    recorded = ("collect-train_decode-s11", "collect-train_long-s11", "collect-train_essays-s11", "fit-a03LE")
+    assert_finetune_is_recorded(
+        tmp_path, "gemma3-270m", gemma_first_fit, "docs/decode/gemma3/training_runs.json", recorded
+    )
     assert not reproduce.RECIPES["gemma3-270m"].calibrated
     assert load_policy("gemma3-270m").calibration is None
 
@@ -822,6 +799,31 @@ def test_reproduce_runs_the_fine_tune_on_the_first_fit_then_calibrates_and_ships
         ("calibrate", str(tuned)),
         ("ship", run / "calibrate/policy-tau_w"),
     ]
+
+
+def assert_finetune_is_recorded(tmp_path, model: str, first_fit: Path, runs_file: str, recorded: tuple):
+    """The recipe's fine-tune of ``model`` is what ``runs_file`` records: each collection's settings
+    (``recorded[:-1]``, the essays named as the records write them) and the fit's (``recorded[-1]``),
+    started from ``first_fit``; the shipped policy records that start and these fit settings."""
+    from train import reproduce
+
+    runs = json.loads((REPO / runs_file).read_text())
+    collections = reproduce.finetune_collect_configs(tmp_path / "tune", model, "<pg_essays>")
+    for config, name in zip(collections, recorded[:-1], strict=True):
+        config.validate()
+        settings = json.loads(json.dumps(asdict(config)))
+        assert settings.pop("out") == str(tmp_path / "tune")
+        assert settings == runs[name]["settings"]
+    tune = reproduce.finetune_fit_config(tmp_path / "tune", tmp_path / "ft", first_fit, model)
+    tune.validate()
+    where = {"traces": None, "out": None, "init_from": None}  # paths of the run that made it
+    tuned, recorded_fit = asdict(tune) | where, runs[recorded[-1]]["fit_settings"] | where
+    assert {k: tuned[k] for k in recorded_fit} == recorded_fit
+    shipped = reproduce.RECIPES[model].shipped_name
+    start_sha = load_policy(str(first_fit)).weights_sha256
+    assert load_policy(shipped).training_info["init_from"].endswith(f"(sha256 {start_sha})")
+    assert_fit_made_the_shipped_policy(tune, shipped)
+    return tune
 
 
 def assert_fit_made_the_shipped_policy(fit_config, shipped_name: str) -> None:
