@@ -31,6 +31,12 @@ from train.calibrate import corpus_windows
 BUDGET, SINKS, WINDOW = 0.1, 4, 16
 
 
+def kept_share(positions: list[torch.Tensor], low: float, high: float) -> float:
+    """The share of kept entries at positions in ``[low, high)``, the mean over the evicting layers
+    (``positions``: each layer's kept positions, ``[slots]``)."""
+    return sum(float(((p >= low) & (p < high)).float().mean()) for p in positions) / len(positions)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     corpus = sys.argv[1] if len(sys.argv) > 1 else "dialogue"
@@ -56,17 +62,15 @@ def main() -> None:
                 positions = [layer.positions[0, 0] for layer in cache.evicting_layers]
                 row[name] = {
                     "nll_increase": float(continuation_nll(model, prefilled, cache, continuation)) - full,
-                    "kept_in_last_10pct": sum(float((p >= 0.9 * n).float().mean()) for p in positions) / 3,
-                    "kept_in_first_10pct": sum(
-                        float(((p >= SINKS) & (p < 0.1 * n)).float().mean()) for p in positions
-                    )
-                    / 3,
+                    "kept_in_last_10pct": kept_share(positions, 0.9 * n, n),
+                    "kept_in_first_10pct": kept_share(positions, SINKS, 0.1 * n),
                 }
-                if name == "kvp":
+                if name == "kvp":  # counted per evicting layer, like the kept tokens
+                    prompt = tokenizer.convert_ids_to_tokens(ids[0, SINKS : n - WINDOW].tolist())
+                    seen.update({t: c * len(positions) for t, c in collections.Counter(prompt).items()})
                     for p in positions:
                         old = p[(p >= SINKS) & (p < n - WINDOW)]
                         kept.update(tokenizer.convert_ids_to_tokens(ids[0, old].tolist()))
-                        seen.update(tokenizer.convert_ids_to_tokens(ids[0, SINKS : n - WINDOW].tolist()))
             rows.append(row)
             print(json.dumps(row), flush=True)
     share = {
