@@ -9,7 +9,8 @@ the prompt is prefilled once; each (method or policy, cap) reads the continuatio
 ``chunk_tokens`` (:func:`eval.realtext.continuation_nll`), so the cache evicts between them as
 while decoding, and the uncapped cache reads it the same way. The score is the mean NLL per
 continuation token minus the uncapped cache's, per source, with a 95% bootstrap interval, and every
-row's per-sequence difference from the first policy (or method) named.
+row's per-sequence difference from the first policy (or method) named. With ``--rescore`` the
+policies score every held entry again at each eviction (``KVPCache(..., rescore=True)``).
 
 Records go to ``downstream_decode_<split>.jsonl`` as they finish (a rerun scores only what a record
 lacks, for the same cache settings); the summary to ``downstream_decode_<split>.{json,md}``, with
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from eval.benchmark_config import RESCORED
 from eval.realtext import continuation_nll
 from kvp_cache import KVPCache
 from kvp_cache.models import load_model
+from kvp_cache.policy import KVPolicy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
 from train.data import Example, example_digest
@@ -45,7 +48,8 @@ class DecodeDownstreamConfig:
     decoded tokens (``streaming_llm``, ``tova``, ...). caps: ``max_cache_tokens`` values.
     sources: only the sequences of these sources (``code``, ``docs-sampled``, ...), empty for all;
     for a collection whose corpora changed since, say. limit: at most this many sequences (the first
-    ones), 0 for all.
+    ones), 0 for all. rescore: the policies score every held entry again at each eviction
+    (``KVPCache(..., rescore=True)``) instead of once, as it entered.
     """
 
     traces: str
@@ -60,6 +64,7 @@ class DecodeDownstreamConfig:
     window: int = 16
     sources: list[str] = field(default_factory=list)
     limit: int = 0
+    rescore: bool = False
 
     def validate(self) -> None:
         if not self.policy and not self.methods:
@@ -156,6 +161,15 @@ def sequence_nll(model, example: Example, methods: dict[str, dict], config: Deco
     return scores
 
 
+def learned_rows(policies: dict[str, KVPolicy], rescore: bool) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each policy's ``KVPCache`` options and the weights key its records carry: the weights' sha256,
+    followed by ``+rescore`` when held entries are scored again at each eviction, so that the two ways
+    of scoring never read each other's records."""
+    options = {name: {"policy": policy, "rescore": rescore} for name, policy in policies.items()}
+    suffix = RESCORED if rescore else ""
+    return options, {name: policy_record(policy)["sha256"] + suffix for name, policy in policies.items()}
+
+
 def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=None) -> dict:
     """Score every validation sequence (resuming from the JSONL), then write the summary files."""
     config.validate()
@@ -165,9 +179,8 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
     examples = validation_sequences(config.traces, config.split, tokenizer, config.sources)
     examples = examples[: config.limit] if config.limit else examples
     policies = parse_policies(config.policy)
-    methods = {name: {"policy": policy} for name, policy in policies.items()}
+    methods, weights = learned_rows(policies, config.rescore)
     methods |= {name: {"method": name} for name in config.methods}
-    weights = {name: policy_record(policy)["sha256"] for name, policy in policies.items()}
     kept = config.cache_settings()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,6 +199,7 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
         "traces": str(config.traces),
         "split": config.split,
         "caps": config.caps,
+        "rescore": config.rescore,
         **kept,
     }
     intro = (
@@ -193,6 +207,11 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
         f"corpora), read after their prompt in chunks of {config.chunk_tokens} through a cache capped at "
         f"each budget = `max_cache_tokens` (evict_every {config.evict_every}, sinks {config.sinks} + window "
         f"{config.window} kept). NLL per continuation token over the uncapped cache; lower is better."
+        + (
+            " The policies score every held entry again at each eviction (`rescore=True`)."
+            if config.rescore
+            else ""
+        )
     )
     return write_summary(stem, records, list(methods), config.caps, head, intro)
 
@@ -208,6 +227,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--sources", nargs="*", default=[], help="only these sources' sequences")
     parser.add_argument("--limit", type=int, default=0, help="only the first N sequences (0: all)")
+    parser.add_argument(
+        "--rescore", action="store_true", help="policies score every held entry again at each eviction"
+    )
     parser.add_argument("--out", required=True, help="writes downstream_decode_<split>.{jsonl,json,md} here")
     parser.add_argument("--threads", type=int, default=2)
 
