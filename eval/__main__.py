@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the kvp rows score every held entry again at each eviction (KVPCache(..., "
                        "rescore=True)); only the decode and decode_recall protocols answer differently, so only their "
                        "learned rows are recomputed")  # fmt: skip
+    bench.add_argument("--kvp-age-decay", type=float, default=0.0,
+                       help="the kvp rows rank each eviction by score - DECAY * log2(1 + age), age the tokens read "
+                       "since the entry's forward (KVPCache(..., age_decay=DECAY)); as with --kvp-rescore, only "
+                       "the decode and decode_recall protocols answer differently")  # fmt: skip
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
     bench.add_argument("--samples", type=comma_list(int), default=None,

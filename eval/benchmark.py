@@ -111,7 +111,8 @@ class Benchmark:
                 config.sink_tokens,
                 config.window_tokens,
                 policy,
-                learned_options={"rescore": config.kvp_rescore},  # explicit: records name it
+                # Explicit: records name both (Fingerprint.for_protocol).
+                learned_options={"rescore": config.kvp_rescore, "age_decay": config.kvp_age_decay},
                 allocation=allocation,
                 min_per_head=config.min_per_head,
             )

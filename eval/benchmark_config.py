@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -39,7 +40,7 @@ ALL = "all"
 UNIFORM = "uniform"
 RESCORED = "+rescore"
 """Appended to the policy that learned answers of :data:`CAPPED_PROTOCOLS` name when they come from
-``kvp_rescore``."""
+``kvp_rescore``; ``+age_decay=<value>`` follows it for ``kvp_age_decay`` (:meth:`Fingerprint.for_protocol`)."""
 KV_BYTES = "kv_bytes"
 """The shards of the measured KV bytes of every real-text row, one per prefix length."""
 
@@ -97,11 +98,15 @@ class BenchmarkConfig:
     differently, so only their records name it with the policy of their learned answers
     (:meth:`Fingerprint.for_protocol`): rows made with and without it are never mixed, and the
     prefill protocols' answers are reused.
+    kvp_age_decay: 0, or the learned rows' ``KVPCache(..., age_decay=...)``: each eviction ranks the
+    stored scores minus ``decay * log2(1 + age)``. A single prefill ranks as without it, so, as for
+    ``kvp_rescore``, only the records of :data:`CAPPED_PROTOCOLS` name it.
     """
 
     methods: list[str]
     policy: str | None = None
     kvp_rescore: bool = False
+    kvp_age_decay: float = 0.0
     budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
     allocations: list[str] = field(default_factory=lambda: [UNIFORM, "head"])
     min_per_head: int | None = None
@@ -136,6 +141,10 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         check_methods(self.methods, self.policy)
+        if not math.isfinite(self.kvp_age_decay) or self.kvp_age_decay < 0:
+            raise ValueError(
+                f"kvp_age_decay must be a finite number >= 0 (0: no decay), got {self.kvp_age_decay}"
+            )
         if not self.budgets:
             raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
         self.budgets = [validate_budget(b) for b in self.budgets]
@@ -332,7 +341,14 @@ class BenchmarkConfig:
             minimum,
             text_windows,
             self.kvp_rescore,
+            self.kvp_age_decay,
         )
+
+
+def ranking_suffix(rescore: bool, age_decay: float) -> str:
+    """What records append to a policy's sha256 for its learned answers under a cap, where they
+    depend on how held entries are ranked: :data:`RESCORED`, then ``+age_decay=<value>``."""
+    return (RESCORED if rescore else "") + (f"+age_decay={age_decay:g}" if age_decay else "")
 
 
 def minimum_label(min_per_head: int | None) -> int | str:
@@ -366,7 +382,7 @@ class Fingerprint:
         (:func:`~eval.shards.recorded_minimum` reads records made before the label).
     text_windows: what the real-text records read must carry as ``windows``
         (:func:`eval.realtext.placement`).
-    rescore: :attr:`BenchmarkConfig.kvp_rescore`.
+    rescore, age_decay: :attr:`BenchmarkConfig.kvp_rescore` and :attr:`BenchmarkConfig.kvp_age_decay`.
     """
 
     config: str
@@ -376,10 +392,11 @@ class Fingerprint:
     min_per_head: int | str
     text_windows: str
     rescore: bool = False
+    age_decay: float = 0.0
 
     def for_protocol(self, protocol: str) -> Fingerprint:
         """The fingerprint the shards of ``protocol`` carry: under a cap, learned answers also name
-        how held entries were scored, since only there do the two ways answer differently."""
-        if protocol in CAPPED_PROTOCOLS and self.rescore and self.policy:
-            return replace(self, policy=self.policy + RESCORED)
-        return self
+        how held entries were ranked, since only there do the ways answer differently."""
+        if protocol not in CAPPED_PROTOCOLS or not self.policy:
+            return self
+        return replace(self, policy=self.policy + ranking_suffix(self.rescore, self.age_decay))

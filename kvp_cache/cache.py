@@ -79,11 +79,13 @@ class EvictingLayer(DynamicLayer):
     tokens seen). Optionally: ``scores`` (``[batch, kv_heads, slots]``, for scorers with
     ``per_token = True``: each token is scored once and the score is kept; NaN for decoded tokens
     not yet needed by an eviction),
-    ``positions`` (``[batch, kv_heads, slots]`` logical positions, with ``track_positions=True``)
+    ``positions`` (``[batch, kv_heads, slots]`` logical positions, with ``track_positions=True``),
+    ``entered`` (``[batch, kv_heads, slots]`` int32, for scorers with an ``age_decay``: the real
+    tokens seen when the forward that read each entry ended, see :func:`age_decayed`)
     and ``recent_queries`` (the queries captured since the last eviction, for query-aware scorers).
     """
 
-    BATCH_FIELDS = ("keys", "values", "valid", "seen_real", "scores", "positions")
+    BATCH_FIELDS = ("keys", "values", "valid", "seen_real", "scores", "positions", "entered")
     """The per-row tensors: every batch operation (beams, stacking) must apply to all of them."""
 
     is_sliding = False
@@ -101,6 +103,7 @@ class EvictingLayer(DynamicLayer):
         self.seen_real: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        self.entered: torch.Tensor | None = None
         self.recent_queries: QueryStates | None = None
         self.appended_since_eviction = 0
         self.compressed = False  # the prefill eviction of compress="first_prefill" has happened
@@ -117,6 +120,8 @@ class EvictingLayer(DynamicLayer):
             self.scores = torch.zeros(b, h, 0, device=self.device)
         if self.settings.track_positions:
             self.positions = torch.zeros((b, h, 0), dtype=torch.long, device=self.device)
+        if self.settings.scorer.age_decay:
+            self.entered = torch.zeros((b, h, 0), dtype=torch.int32, device=self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -192,6 +197,9 @@ class EvictingLayer(DynamicLayer):
             self.values = torch.cat([self.values, value_states], dim=-2)
         self.valid = torch.cat([self.valid, new_real], dim=-1)
         self.seen_real = self.seen_real + new_real.sum(-1)
+        if self.entered is not None:
+            entered = self.seen_real.to(torch.int32)[:, None, None].expand(b, h, q)
+            self.entered = torch.cat([self.entered, entered], dim=-1)
         if self.positions is not None:
             new_positions = torch.arange(
                 self.cumulative_length, self.cumulative_length + q, device=self.device
@@ -278,13 +286,15 @@ class EvictingLayer(DynamicLayer):
                 scores = self.scores
             else:
                 scores = s.scorer.score(self.keys, self.values, positions, queries, self.layer_idx).float()
+            if self.entered is not None:
+                scores = age_decayed(scores, self.entered, self.seen_real, s.scorer.age_decay)
             scores = protect_sinks_and_window(
                 scores, positions, valid.sum(-1), kept, s.sink_tokens, s.window_tokens
             )
             index = select_slots(scores, valid, kept, slots)
         self.keys, self.values = take_slots(self.keys, index), take_slots(self.values, index)
         self.valid = torch.arange(slots, device=self.device)[None, :] >= (slots - kept)[:, None]
-        for name in ("scores", "positions"):
+        for name in ("scores", "positions", "entered"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name).gather(2, index))
 
@@ -336,7 +346,7 @@ class EvictingLayer(DynamicLayer):
         self.seen_real = self.seen_real - self.valid[:, -n:].sum(-1)
         self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
         self.valid = self.valid[:, :-n]
-        for name in ("scores", "positions"):
+        for name in ("scores", "positions", "entered"):
             if getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[..., :-n])
 
@@ -361,9 +371,23 @@ class EvictingLayer(DynamicLayer):
             self._map_batch(lambda t: t[indices.to(t.device) if torch.is_tensor(indices) else indices])
 
 
+def age_decayed(
+    scores: torch.Tensor, entered: torch.Tensor, seen_real: torch.Tensor, decay: float
+) -> torch.Tensor:
+    """``scores - decay * log2(1 + age)``, the ranking of a scorer with an ``age_decay``.
+
+    scores, entered: ``[batch, kv_heads, slots]``, ``entered`` the real tokens seen when the forward
+    that read each entry ended; seen_real: ``[batch]`` real tokens seen now. An entry's age is the
+    tokens read since its forward, so every entry of a single prefill has age 0 and ranks as without
+    decay; under ``max_cache_tokens`` an entry read long ago ranks lower than its stored score says.
+    """
+    age = (seen_real[:, None, None] - entered).clamp_min(0).float()
+    return scores - decay * torch.log2(1 + age)
+
+
 def layer_bytes(layer) -> int:
     """Bytes of one cache layer's per-row tensors (any transformers layer): keys, values and, for an
-    evicting layer, its per-slot metadata (validity, stored scores, tracked positions)."""
+    evicting layer, its per-slot metadata (validity, stored scores, tracked positions, entry times)."""
     tensors = (getattr(layer, name, None) for name in EvictingLayer.BATCH_FIELDS)
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 

@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvp_cache.budget import protected_entries
-from kvp_cache.cache import EvictingLayer, take_slots
+from kvp_cache.cache import EvictingLayer, age_decayed, take_slots
 from kvp_cache.capture import append_queries, drop_last_queries
 
 if TYPE_CHECKING:
@@ -44,15 +44,15 @@ class RaggedLayer(EvictingLayer):
     """An evicting layer whose KV heads keep different numbers of entries (see the module docstring).
 
     The per-row fields of :class:`~kvp_cache.cache.EvictingLayer` are packed head after head along
-    one slot axis: ``keys``/``values`` ``[batch, slots, head_dim]``, ``valid``, ``scores`` and
-    ``positions`` ``[batch, slots]``, where head ``h`` holds ``lengths[h]`` slots starting at
+    one slot axis: ``keys``/``values`` ``[batch, slots, head_dim]``, ``valid``, ``scores``,
+    ``positions`` and ``entered`` ``[batch, slots]``, where head ``h`` holds ``lengths[h]`` slots starting at
     ``sum(lengths[:h])``; ``seen_real`` stays ``[batch]``. New tokens enter every head at its end,
     so the entries appended since the last eviction are the same last ``appended_since_eviction``
     slots of every head. The layer never evicts by itself: the cache calls
     :meth:`scores_for_allocation` and :meth:`keep` on all its layers together.
     """
 
-    PACKED_FIELDS = ("keys", "values", "valid", "scores", "positions")
+    PACKED_FIELDS = ("keys", "values", "valid", "scores", "positions", "entered")
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -61,6 +61,8 @@ class RaggedLayer(EvictingLayer):
             self.scores = self.scores[:, 0]
         if self.positions is not None:
             self.positions = self.positions[:, 0]
+        if self.entered is not None:
+            self.entered = self.entered[:, 0]
         self.lengths = [0] * key_states.shape[1]
         self.pending_forward = 0  # tokens of the forward whose eviction, if due, is still to come
         self.holds_padding = False  # some slot of some row is padding: attention needs a mask per head
@@ -106,6 +108,9 @@ class RaggedLayer(EvictingLayer):
         if self.positions is not None:
             logical = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
             new["positions"] = logical.expand(b, h, q)
+        if self.entered is not None:
+            seen = self.seen_real + new_real.sum(-1)
+            new["entered"] = seen.to(torch.int32)[:, None, None].expand(b, h, q)
         if any(self.lengths):
             # One concatenation per field: each head's slots, then its new ones.
             pieces = {
@@ -147,6 +152,8 @@ class RaggedLayer(EvictingLayer):
         positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, -1)
         with torch.no_grad():
             raw = self._raw_scores(positions)
+            if self.entered is not None:
+                raw = age_decayed(raw.float(), self.padded("entered", 0), self.seen_real, s.scorer.age_decay)
             scores = s.scorer.cross_head_scores(raw.float(), valid, self.layer_idx).float()
         protected = protected_entries(positions, valid.sum(-1), kept, s.sink_tokens, s.window_tokens)
         return scores.masked_fill(~valid, float("-inf")), valid, protected & valid

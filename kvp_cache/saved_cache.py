@@ -6,7 +6,8 @@ A saved cache is a directory of two files:
   ``[batch, kv_heads, slots, head_dim]`` (for an ``allocation="layer"``/``"head"`` layer its heads
   packed, ``[batch, slots, head_dim]``, with each head's length among the layer's counters) and, for an
   evicting layer, its per-row state (:attr:`~kvp_cache.cache.EvictingLayer.BATCH_FIELDS`: ``valid``,
-  ``seen_real``, stored ``scores`` with NaN for pending ones, tracked ``positions``) and
+  ``seen_real``, stored ``scores`` with NaN for pending ones, tracked ``positions``, ``entered``
+  with an age decay) and
   ``recent_queries.*``, the queries captured since its last eviction;
 - ``cache_config.json``: the cache's settings (method and its options, with the KVP policy's name
   and weights sha256, and for an adaptive allocation its calibration's sha256; budget; schedule;
@@ -508,7 +509,7 @@ def restore_evicting_layer(
         layer.lazy_initialization(*empty)
     else:
         layer.lazy_initialization(keys, values)
-    per_entry = (batch, slots) if ragged else (batch, heads, slots)  # scores and positions
+    per_entry = (batch, slots) if ragged else (batch, heads, slots)  # scores, positions, entry times
     # The per-row tensors this cache's settings hold (scores for per-token methods, positions if tracked).
     needed = {name for name in layer.BATCH_FIELDS if getattr(layer, name) is not None}
     saved = {name for name in tensors if not name.startswith("recent_queries.")}
@@ -516,7 +517,9 @@ def restore_evicting_layer(
         raise ValueError(
             f"{where}: saved tensors {sorted(saved)}, but this cache's settings hold {sorted(needed)}"
         )
-    shapes = {"valid": (batch, slots), "seen_real": (batch,), "scores": per_entry, "positions": per_entry}
+    shapes = {"valid": (batch, slots), "seen_real": (batch,)} | dict.fromkeys(
+        ("scores", "positions", "entered"), per_entry
+    )
     for name in needed:
         shape = shapes.get(name, keys.shape)
         if tensors[name].shape != shape:

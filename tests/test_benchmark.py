@@ -1286,19 +1286,30 @@ def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpor
     assert f"**{sum(r['beyond'] for r in rows)} of {len(rows)} rows beyond.**" in report
 
 
-def test_kvp_rescore_recomputes_only_the_learned_decode_answers(tiny, tmp_path, fake_corpora, work):
-    """``kvp_rescore`` passes ``rescore=True`` to the learned rows; only the capped protocols' records
-    name it with the policy, so there the learned answers of a run without it are recomputed and the
-    baselines' reused, while the prefill protocols (one eviction: the same answers) are reused whole."""
+@pytest.mark.parametrize(
+    "ranking, suffix",
+    [
+        ({"kvp_rescore": True}, RESCORED),
+        ({"kvp_age_decay": 0.5}, "+age_decay=0.5"),
+        ({"kvp_rescore": True, "kvp_age_decay": 2.0}, RESCORED + "+age_decay=2"),
+    ],
+)
+def test_kvp_rescore_or_age_decay_recomputes_only_the_learned_decode_answers(
+    ranking, suffix, tiny, tmp_path, fake_corpora, work
+):
+    """``kvp_rescore`` and ``kvp_age_decay`` pass ``rescore=True`` / ``age_decay`` to the learned rows;
+    only the capped protocols' records name them with the policy, so there the learned answers of a
+    run without them are recomputed and the baselines' reused, while the prefill protocols (one
+    eviction: the same answers) are reused whole."""
     model, tokenizer = tiny
     policy = saved_policy(model, 0, tmp_path / "policy")
     options = dict(methods=["kvp", "knorm"], policy="tiny", text_contexts=[64], text_windows={64: 2})
     plain = run(model, tokenizer, decode_config(**options), tmp_path, policy)
     work.clear()
-    rescored = run(model, tokenizer, decode_config(**options, kvp_rescore=True), tmp_path, policy)
+    rescored = run(model, tokenizer, decode_config(**options, **ranking), tmp_path, policy)
     assert work["continuation_nll"] == 2 * 2 * 3  # 2 corpora x 2 windows x 3 caps, kvp's decode rows only
     named = {shard.split("/")[1]: r["policy"] for (shard, _), r in latest_records(tmp_path).items()}
-    assert named == {DECODE: policy.weights_sha256 + RESCORED, PERPLEXITY: policy.weights_sha256}
+    assert named == {DECODE: policy.weights_sha256 + suffix, PERPLEXITY: policy.weights_sha256}
     nll = {(r["protocol"], r["corpus"], r["method"], r["budget"]): r["nll"] for r in plain["rows"]}
     changed = {
         (r["protocol"], r["method"])

@@ -241,38 +241,31 @@ def test_decode_downstream_equals_a_hand_loop(llama):
         "", "", methods=["knorm"], caps=[10, 16], chunk_tokens=4, evict_every=3, sinks=2, window=3
     )
     config.validate()
-    methods = {
-        "kvp": {"policy": policy},
-        "kvp_rescore": {"policy": policy, "rescore": True},
-        "knorm": {"method": "knorm"},
-    }
-    nll = sequence_nll(llama, example, methods, config)
+    rankings = {"kvp": {}, "kvp_rescore": {"rescore": True}, "kvp_aged": {"age_decay": 1.0}}
+    methods = {name: {"policy": policy, **ranking} for name, ranking in rankings.items()}
+    nll = sequence_nll(llama, example, methods | {"knorm": {"method": "knorm"}}, config)
     assert nll[FULL] == pytest.approx(hand_nll(llama, ids, PROMPT, 4, DynamicCache()), abs=1e-4)
     options = dict(budget=1.0, sink_tokens=2, window_tokens=3, evict_every=3)
     for cap in config.caps:
-        for name, rescore in (("kvp", False), ("kvp_rescore", True)):
-            kvp = KVPCache(
-                llama, method="kvp", policy=policy, max_cache_tokens=cap, rescore=rescore, **options
-            )
-            assert nll[f"{name}@{cap}"] == pytest.approx(hand_nll(llama, ids, PROMPT, 4, kvp), abs=1e-4)
-        knorm = KVPCache(llama, method="knorm", max_cache_tokens=cap, **options)
-        assert nll[f"knorm@{cap}"] == pytest.approx(hand_nll(llama, ids, PROMPT, 4, knorm), abs=1e-4)
+        for name, chosen in (*methods.items(), ("knorm", {"method": "knorm"})):
+            cache = KVPCache(llama, max_cache_tokens=cap, **chosen, **options)
+            assert nll[f"{name}@{cap}"] == pytest.approx(hand_nll(llama, ids, PROMPT, 4, cache), abs=1e-4)
         assert abs(nll[f"kvp@{cap}"] - nll[FULL]) > 1e-4  # the cap evicts what the reading needs
-        assert abs(nll[f"kvp_rescore@{cap}"] - nll[f"kvp@{cap}"]) > 1e-6  # and rescoring keeps others
+        for other in ("kvp_rescore", "kvp_aged"):  # and each ranking keeps other entries
+            assert abs(nll[f"{other}@{cap}"] - nll[f"kvp@{cap}"]) > 1e-6
     with pytest.raises(ValueError, match="caps must each exceed"):
         DecodeDownstreamConfig("", "", methods=["knorm"], caps=[4], sinks=2, window=3).validate()
 
 
-def test_rescored_policies_never_read_the_records_of_scoring_once(tmp_path, llama):
+def test_policies_ranked_otherwise_never_read_the_records_of_the_plain_ranking(tmp_path, llama):
     KVPolicy.for_model(llama, hidden_dim=8, pos_dim=4, max_positions=16).save_pretrained(tmp_path / "p")
     policies = {"p": load_policy(tmp_path / "p")}
     sha256 = policies["p"].weights_sha256
-    assert decode_downstream.learned_rows(policies, False) == (
-        {"p": {"policy": policies["p"], "rescore": False}},
-        {"p": sha256},
-    )
-    options, weights = decode_downstream.learned_rows(policies, True)
-    assert options["p"]["rescore"] is True and weights == {"p": sha256 + "+rescore"}
+    plain = {"p": {"policy": policies["p"], "rescore": False, "age_decay": 0.0}}
+    assert decode_downstream.learned_rows(policies, False, 0.0) == (plain, {"p": sha256})
+    options, weights = decode_downstream.learned_rows(policies, True, 0.5)
+    assert (options["p"]["rescore"], options["p"]["age_decay"]) == (True, 0.5)
+    assert weights == {"p": sha256 + "+rescore+age_decay=0.5"}
 
 
 def test_validation_sequences_are_the_traced_ones(tmp_path, llama, monkeypatch):

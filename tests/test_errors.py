@@ -51,6 +51,22 @@ def test_kvp_rescore_must_be_a_bool():
         KVPCache(model, method="kvp", policy=policy, rescore="yes")
 
 
+@pytest.mark.parametrize(
+    "decay, error, message",
+    [
+        ("1", TypeError, "age_decay must be a number >= 0, got '1'"),
+        (True, TypeError, "age_decay must be a number >= 0, got True"),
+        (-0.5, ValueError, r"age_decay must be a finite number >= 0 \(0: no decay\), got -0.5"),
+        (float("inf"), ValueError, "age_decay must be a finite number >= 0 .* got inf"),
+    ],
+)
+def test_kvp_age_decay_must_be_a_finite_number_at_least_0(decay, error, message):
+    model = tiny_model("llama")
+    policy = KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=32)
+    with pytest.raises(error, match=message):
+        KVPCache(model, method="kvp", policy=policy, age_decay=decay)
+
+
 def test_scorer_instance_takes_no_options():
     with pytest.raises(TypeError, match="set its options on it"):
         KVPCache(tiny_model("llama"), method=make_scorer("snapkv"), window_size=3)

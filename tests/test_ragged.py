@@ -240,16 +240,19 @@ def test_bad_allocation_arguments_are_refused_early():
 
 
 COMPARABLE = sorted(name for name, cls in SCORER_CLASSES.items() if cls.comparable_across_heads)
-RESCORED_KVP = "kvp, rescore=True"
+KVP_VARIANTS = {
+    "kvp, rescore=True": {"rescore": True},  # each head scored again on its own entries at every eviction
+    "kvp, age_decay=1.0": {"age_decay": 1.0},  # stored scores lowered by each entry's age
+}
 
 
-@pytest.mark.parametrize("method", [*COMPARABLE, RESCORED_KVP])
+@pytest.mark.parametrize("method", [*COMPARABLE, *KVP_VARIANTS])
 @pytest.mark.parametrize("allocation", ["head", "layer"])
 def test_every_comparable_method_matches_the_reference(method, allocation):
     model = tiny_model("llama")
     options = {"window_size": 6} if method == "snapkv" else {}
-    if method == RESCORED_KVP:  # each head scored again on its own entries at every eviction
-        method, options["rescore"] = "kvp", True
+    if method in KVP_VARIANTS:
+        method, options = "kvp", KVP_VARIANTS[method]
     if method == "kvp":
         torch.manual_seed(0)
         options["policy"] = KVPolicy.for_model(model, hidden_dim=16, pos_dim=8, max_positions=64)

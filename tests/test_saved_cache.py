@@ -117,17 +117,28 @@ def test_reloaded_every_prefill_cache_evicts_the_question_like_the_in_memory_one
     assert {layer.physical_length() for layer in loaded.evicting_layers} == {BUDGET + 5}
 
 
-@pytest.mark.parametrize("method", ["kvp", "snapkv"])
+AGED_KVP = "kvp, age_decay=1.0"
+
+
+def method_options(method: str, model, policy_dir: Path) -> tuple[str, dict]:
+    """The method name and options of a test's method; ``AGED_KVP`` is kvp with an age decay."""
+    if method == AGED_KVP:
+        return "kvp", {"policy": saved_policy(model, policy_dir), "age_decay": 1.0}
+    return method, {"policy": saved_policy(model, policy_dir)} if method == "kvp" else {}
+
+
+@pytest.mark.parametrize("method", ["kvp", AGED_KVP, "snapkv"])
 def test_cache_saved_mid_answer_continues_with_its_pending_state(method, tmp_path):
-    """Saved while decoding under max_cache_tokens: kvp's pending (NaN) scores and snapkv's queries
-    captured since the last eviction carry over, and the next decoding eviction needs them."""
+    """Saved while decoding under max_cache_tokens: kvp's pending (NaN) scores (and with an age decay,
+    when each entry entered) and snapkv's queries captured since the last eviction carry over, and
+    the next decoding eviction needs them."""
     model = tiny_model("llama")
-    options = {"max_cache_tokens": 16, "evict_every": 4}
-    if method == "kvp":
-        options["policy"] = saved_policy(model, tmp_path / "policy")
+    method, options = method_options(method, model, tmp_path / "policy")
+    options |= {"max_cache_tokens": 16, "evict_every": 4}
     cache = compressed(model, method, **options)
     started, _ = greedy(model, PROMPT, cache, max_new_tokens=3)  # 12 + 8 = 20 held; 21 -> 16; then 17
     layer = cache.evicting_layers[0]
+    assert (layer.entered is not None) == ("age_decay" in options)
     if method == "kvp":
         assert layer.scores.isnan().any()  # a decoded token not scored yet
     else:
@@ -137,14 +148,13 @@ def test_cache_saved_mid_answer_continues_with_its_pending_state(method, tmp_pat
 
 
 @pytest.mark.parametrize("allocation", ["layer", "head"])
-@pytest.mark.parametrize("method", ["kvp", "snapkv"])
+@pytest.mark.parametrize("method", ["kvp", AGED_KVP, "snapkv"])
 def test_adaptive_cache_round_trip(allocation, method, tmp_path):
     """Heads packed with different lengths reload bit for bit: a document compressed once, then a
     left-padded batch saved mid-answer under a cap (kvp's pending scores, snapkv's captured queries)."""
     model = tiny_model("llama")
-    options = {"allocation": allocation, "budget": 0.6}  # 24 per head on average, at least 12
-    if method == "kvp":
-        options["policy"] = saved_policy(model, tmp_path / "policy")
+    method, options = method_options(method, model, tmp_path / "policy")
+    options |= {"allocation": allocation, "budget": 0.6}  # 24 per head on average, at least 12
     cache = compressed(model, method, **options)
     lengths = [n for layer in cache.evicting_layers for n in layer.lengths]
     assert len(set(lengths)) > 1  # the allocation gave heads (or layers) different counts

@@ -245,6 +245,58 @@ def test_kvp_rescore_keeps_the_same_entries_after_a_single_prefill(allocation):
         assert torch.equal(positions, positions_rescored) and torch.equal(valid, valid_rescored)
 
 
+@pytest.mark.parametrize("allocation", ["uniform", "head"])
+def test_kvp_age_decay_keeps_the_same_entries_after_a_single_prefill(allocation):
+    """Every entry of one prefill entered with the same forward: its age is 0, so nothing changes."""
+    model = tiny_model("llama")
+    kept = []
+    for decay in (0.0, 5.0):
+        cache = make_cache(model, "kvp", budget=0.4, allocation=allocation, age_decay=decay)
+        model(ids(length=40), **{cache_kwarg(model): cache})
+        kept.append([layer.kept_positions() for layer in cache.evicting_layers])
+        assert all((layer.entered is None) == (decay == 0) for layer in cache.evicting_layers)
+    for (positions, valid), (positions_decayed, valid_decayed) in zip(*kept, strict=True):
+        assert torch.equal(positions, positions_decayed) and torch.equal(valid, valid_decayed)
+
+
+def test_kvp_age_decay_ranks_by_score_minus_log_age():
+    """Under a cap, each eviction ranks ``score - decay * log2(1 + age)``: a decay far above the
+    scores' spread keeps the sinks and the newest tokens, as StreamingLLM does."""
+    model = tiny_model("llama")
+    kept = {}
+    for decay in (0.0, 1e4):
+        cache = make_cache(model, "kvp", budget=1.0, max_cache_tokens=12, evict_every=3, age_decay=decay)
+        check_generate_against_reference(model, ids(length=30), cache, max_new_tokens=13)
+        kept[decay] = {heads for layer in cache.evicting_layers for heads in kept_per_head(layer)}
+    newest = (0, 1, *range(42 - 10, 42))  # 2 sinks, the last 10 of 30 + 12 read (the 13th is never read)
+    assert kept[1e4] == {newest}
+    assert kept[0.0] != {newest}
+
+
+def test_kvp_age_decay_lowers_old_entries_in_an_adaptive_allocation():
+    """The ragged layers rank the decayed scores too. Their cross-head values are a softmax per head,
+    where a huge decay would underflow every old entry to the same 0, so this decay is moderate."""
+    model = tiny_model("llama")
+    mean_position = {}
+    for decay in (0.0, 4.0):
+        cache = make_cache(
+            model, "kvp", budget=1.0, max_cache_tokens=12, evict_every=3, allocation="head", age_decay=decay
+        )
+        check_generate_against_reference(model, ids(length=30), cache, max_new_tokens=13)
+        positions = [
+            p for layer in cache.evicting_layers for heads in kept_per_head(layer) for p in heads[2:-2]
+        ]
+        mean_position[decay] = sum(positions) / len(positions)  # past the 2 sinks, before the 2-token window
+    assert mean_position[4.0] > mean_position[0.0] + 5
+
+
+def kept_per_head(layer) -> list[tuple[int, ...]]:
+    """The sorted logical positions each head of batch row 0 keeps."""
+    positions, valid = layer.kept_positions()
+    valid = valid if valid.dim() == 3 else valid[:, None].expand_as(positions)
+    return [tuple(sorted(positions[0, h][valid[0, h]].tolist())) for h in range(positions.shape[1])]
+
+
 # ---------------------------------------------------------------------------------------------
 # Batches, padding, beams, crop, reset, deepcopy, from_prefill.
 

@@ -10,7 +10,8 @@ the prompt is prefilled once; each (method or policy, cap) reads the continuatio
 while decoding, and the uncapped cache reads it the same way. The score is the mean NLL per
 continuation token minus the uncapped cache's, per source, with a 95% bootstrap interval, and every
 row's per-sequence difference from the first policy (or method) named. With ``--rescore`` the
-policies score every held entry again at each eviction (``KVPCache(..., rescore=True)``).
+policies score every held entry again at each eviction (``KVPCache(..., rescore=True)``); with
+``--age-decay`` each eviction ranks their scores minus ``decay * log2(1 + age)``.
 
 Records go to ``downstream_decode_<split>.jsonl`` as they finish (a rerun scores only what a record
 lacks, for the same cache settings); the summary to ``downstream_decode_<split>.{json,md}``, with
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eval.benchmark_config import RESCORED
+from eval.benchmark_config import ranking_suffix
 from eval.realtext import continuation_nll
 from kvp_cache import KVPCache
 from kvp_cache.models import load_model
@@ -39,6 +40,11 @@ from train.downstream import FULL, score_examples, write_summary
 from train.evaluate import parse_policies
 from train.traces import TraceSplit
 
+RANKINGS = (
+    "`+rescore`, every held entry scored again at each eviction; `+age_decay=D`, each eviction ranks the "
+    "scores minus D log2(1 + age), age the tokens read since the entry's forward."
+)
+
 
 @dataclass
 class DecodeDownstreamConfig:
@@ -49,7 +55,8 @@ class DecodeDownstreamConfig:
     sources: only the sequences of these sources (``code``, ``docs-sampled``, ...), empty for all;
     for a collection whose corpora changed since, say. limit: at most this many sequences (the first
     ones), 0 for all. rescore: the policies score every held entry again at each eviction
-    (``KVPCache(..., rescore=True)``) instead of once, as it entered.
+    (``KVPCache(..., rescore=True)``) instead of once, as it entered. age_decay: the policies' ranking
+    is their score minus ``age_decay * log2(1 + age)`` (``KVPCache(..., age_decay=...)``).
     """
 
     traces: str
@@ -65,6 +72,7 @@ class DecodeDownstreamConfig:
     sources: list[str] = field(default_factory=list)
     limit: int = 0
     rescore: bool = False
+    age_decay: float = 0.0
 
     def validate(self) -> None:
         if not self.policy and not self.methods:
@@ -161,12 +169,17 @@ def sequence_nll(model, example: Example, methods: dict[str, dict], config: Deco
     return scores
 
 
-def learned_rows(policies: dict[str, KVPolicy], rescore: bool) -> tuple[dict[str, dict], dict[str, str]]:
+def learned_rows(
+    policies: dict[str, KVPolicy], rescore: bool, age_decay: float
+) -> tuple[dict[str, dict], dict[str, str]]:
     """Each policy's ``KVPCache`` options and the weights key its records carry: the weights' sha256,
-    followed by ``+rescore`` when held entries are scored again at each eviction, so that the two ways
-    of scoring never read each other's records."""
-    options = {name: {"policy": policy, "rescore": rescore} for name, policy in policies.items()}
-    suffix = RESCORED if rescore else ""
+    followed by how held entries are ranked (:func:`~eval.benchmark_config.ranking_suffix`), so that
+    records of different rankings are never read for each other."""
+    options = {
+        name: {"policy": policy, "rescore": rescore, "age_decay": age_decay}
+        for name, policy in policies.items()
+    }
+    suffix = ranking_suffix(rescore, age_decay)
     return options, {name: policy_record(policy)["sha256"] + suffix for name, policy in policies.items()}
 
 
@@ -179,7 +192,7 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
     examples = validation_sequences(config.traces, config.split, tokenizer, config.sources)
     examples = examples[: config.limit] if config.limit else examples
     policies = parse_policies(config.policy)
-    methods, weights = learned_rows(policies, config.rescore)
+    methods, weights = learned_rows(policies, config.rescore, config.age_decay)
     methods |= {name: {"method": name} for name in config.methods}
     kept = config.cache_settings()
     out = Path(config.out)
@@ -200,6 +213,7 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
         "split": config.split,
         "caps": config.caps,
         "rescore": config.rescore,
+        "age_decay": config.age_decay,
         **kept,
     }
     intro = (
@@ -207,12 +221,11 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
         f"corpora), read after their prompt in chunks of {config.chunk_tokens} through a cache capped at "
         f"each budget = `max_cache_tokens` (evict_every {config.evict_every}, sinks {config.sinks} + window "
         f"{config.window} kept). NLL per continuation token over the uncapped cache; lower is better."
-        + (
-            " The policies score every held entry again at each eviction (`rescore=True`)."
-            if config.rescore
-            else ""
-        )
     )
+    ranking = ranking_suffix(config.rescore, config.age_decay)
+    if ranking:
+        intro += f" The policies' records are named `<sha256>{ranking}`: " + RANKINGS
+
     return write_summary(stem, records, list(methods), config.caps, head, intro)
 
 
@@ -229,6 +242,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=0, help="only the first N sequences (0: all)")
     parser.add_argument(
         "--rescore", action="store_true", help="policies score every held entry again at each eviction"
+    )
+    parser.add_argument(
+        "--age-decay", type=float, default=0.0, help="policies rank score - DECAY * log2(1 + age) (0: none)"
     )
     parser.add_argument("--out", required=True, help="writes downstream_decode_<split>.{jsonl,json,md} here")
     parser.add_argument("--threads", type=int, default=2)

@@ -50,7 +50,10 @@ class Scorer:
       earlier evictions' survivors, so it works with ``max_cache_tokens``;
     - ``comparable_across_heads``: :meth:`cross_head_scores` turns the method's scores into values
       one sort can rank across every head and layer of a model, so it can drive an adaptive
-      allocation (``KVPCache(..., allocation="layer" | "head")``).
+      allocation (``KVPCache(..., allocation="layer" | "head")``);
+    - ``age_decay``: 0, or ``lambda > 0``: each eviction ranks ``score - lambda * log2(1 + age)``,
+      ``age`` the tokens read since the entry's forward (:func:`kvp_cache.cache.age_decayed`); a
+      method that offers it makes it an option.
     """
 
     name: ClassVar[str] = ""
@@ -60,6 +63,7 @@ class Scorer:
     per_token: ClassVar[bool] = False
     scores_decoded_tokens: ClassVar[bool] = True
     comparable_across_heads: ClassVar[bool] = False
+    age_decay: ClassVar[float] = 0.0
 
     def score(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,11 @@ class KVPScorer(Scorer):
     either way; the two differ only once a cache evicts a second time (``max_cache_tokens``, chunked
     prefill, later turns).
 
+    With ``age_decay=lambda > 0`` each eviction ranks ``score - lambda * log2(1 + age)``, ``age`` the
+    tokens read since the forward that read the entry (:func:`kvp_cache.cache.age_decayed`): a score
+    given at entry says nothing of how long ago that was, and under ``max_cache_tokens`` old entries
+    would otherwise outrank new ones forever. A single prefill ranks as without it (every age is 0).
+
     Across heads (:meth:`cross_head_scores`): ``weight * softmax(score / temperature)`` over each
     head's valid entries, the policy's :class:`~kvp_cache.policy.Calibration` (fitted by ``python -m
     train calibrate`` to each entry's share of the future attention, sinks and window excluded, per
@@ -44,6 +50,7 @@ class KVPScorer(Scorer):
     policy: KVPolicy | str | Path | None = None
     check_base_model: bool = True
     rescore: bool = False
+    age_decay: float = 0.0
 
     @property
     def per_token(self) -> bool:
@@ -62,6 +69,11 @@ class KVPScorer(Scorer):
             raise TypeError(f"policy must be a kvp_cache.policy.KVPolicy, got {type(self.policy).__name__}")
         if not isinstance(self.rescore, bool):
             raise TypeError(f"rescore must be True or False, got {self.rescore!r}")
+        if isinstance(self.age_decay, bool) or not isinstance(self.age_decay, int | float):
+            raise TypeError(f"age_decay must be a number >= 0, got {self.age_decay!r}")
+        if not math.isfinite(self.age_decay) or self.age_decay < 0:
+            raise ValueError(f"age_decay must be a finite number >= 0 (0: no decay), got {self.age_decay}")
+        self.age_decay = float(self.age_decay)
 
     def check_model(self, config) -> None:
         self.policy.check_compatible(config, check_base_model=self.check_base_model)
