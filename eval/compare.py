@@ -102,7 +102,10 @@ def paired_samples(new: Run, base: Run) -> dict[tuple, list[tuple[float, float]]
             keys = [k for k in a.get("nll" if text else "scores", {}) if is_learned(k)]
             for key in keys:
                 row = tuple(key.split("@"))  # (row name, budget as the key spells it)
-                if missing_rows([row], new.fingerprint, a) or missing_rows([row], base.fingerprint, b):
+                # Under a cap, records name the policy with its ranking (Fingerprint.for_protocol).
+                if missing_rows([row], new.fingerprint.for_protocol(protocol), a) or missing_rows(
+                    [row], base.fingerprint.for_protocol(protocol), b
+                ):
                     continue
                 value = (sample_value(a, key, text), sample_value(b, key, text))
                 pairs.setdefault((protocol, name, length, key), []).append(value)

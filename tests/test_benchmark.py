@@ -29,6 +29,7 @@ from eval.benchmark_config import (
     BenchmarkConfig,
     uniform_only,
 )
+from eval.compare import Run, compare
 from eval.corpora import CORPORA, Corpus, is_held_out, refuse_held_out
 from eval.oracle import ORACLE, OracleScorer, capped_oracle_scorer, future_states, oracle_scorer
 from eval.report import (
@@ -1233,7 +1234,6 @@ def test_canonical_benchmarks_regenerate_their_reports(path):
 
 def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpora, capsys):
     """Text windows start with a BOS, as Gemma 3's do: compare reads the records of that placement."""
-    from eval.compare import Run, compare
 
     model, tokenizer = tiny[0], WithBos(tiny[1])
     options = dict(screened_tasks=[], protocols=["question_in"], corpora=["chitchat", "kjv"], samples={256: 2},
@@ -1284,6 +1284,25 @@ def test_compare_pairs_two_policies_sample_by_sample(tiny, tmp_path, fake_corpor
     report = (tmp_path / "cmp.md").read_text()
     assert "| perplexity | all | 96 | kvp@0.5 |" in report
     assert f"**{sum(r['beyond'] for r in rows)} of {len(rows)} rows beyond.**" in report
+
+
+def test_compare_pairs_decode_rows_ranked_otherwise(tiny, tmp_path, fake_corpora):
+    """A run with ``kvp_age_decay`` (or ``kvp_rescore``) names its decode records ``<sha256>+...``;
+    compare reads each side's records under its own ranking, so the same policy pairs with itself."""
+    model, tokenizer = tiny
+    policy = saved_policy(model, 0, tmp_path / "policy")
+    options = dict(methods=["kvp", "knorm"], policy="tiny")
+    for name, ranking in (("plain", {}), ("aged", {"kvp_age_decay": 4.0})):
+        config = decode_config(**options, **ranking)
+        bench = Benchmark(model, tokenizer, config, tmp_path / name, policy)
+        bench.run()
+        header = provenance("tiny", torch.float32, "cpu", policy=policy)
+        result = benchmark_result(config, tmp_path / name, bench.fingerprint, header)
+        (tmp_path / name / "benchmark.json").write_text(json.dumps(result))
+    rows = compare(Run.load(tmp_path / "aged"), Run.load(tmp_path / "plain"))
+    pooled = {r["row"]: r for r in rows if r["name"] == ALL}
+    assert set(pooled) == {"kvp@10", "kvp@0.25", "kvp@64"} and {r["n"] for r in pooled.values()} == {4}
+    assert any(r["difference"] != 0 for r in pooled.values())  # the decay kept other entries
 
 
 @pytest.mark.parametrize(
