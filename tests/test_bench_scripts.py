@@ -59,6 +59,16 @@ def test_bench_decode_times_the_scoring_of_decoded_tokens(llama):
         "policy": "p",
         "rescore": True,
     }
+    assert bench_decode.method_options("kvp_age_decay", "p") == {
+        "method": "kvp",
+        "policy": "p",
+        "age_decay": 0.5,
+    }
+    options = bench_decode.method_options("kvp_age_decay", policy)
+    aged = KVPCache(llama, **options, budget=1.0, max_cache_tokens=32, evict_every=8)
+    run = bench_decode.decode_run(llama, aged, prompt, 40, "test")
+    assert run["scored_entries"] == (last - 24) * llama.config.num_hidden_layers  # scored once, as kvp
+    assert aged.evicting_layers[0].entered is not None
 
 
 def test_bench_policy_splits_scoring_time_into_matrix_products_and_the_rest():
