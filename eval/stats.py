@@ -1,10 +1,13 @@
-"""95% confidence intervals for benchmark cells: Wilson for accuracies, bootstrap for mean NLL changes."""
+"""95% confidence intervals for benchmark cells (Wilson for accuracies, bootstrap for mean NLL changes),
+and the results file of per-window measurements that experiment scripts write."""
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 BOOTSTRAP_RESAMPLES = 2000
@@ -53,3 +56,19 @@ def bootstrap_interval(
 def overlaps(a: Sequence[float], b: Sequence[float]) -> bool:
     """Whether two ``(low, high)`` intervals share a point."""
     return a[0] <= b[1] and b[0] <= a[1]
+
+
+def write_window_results(path: Path, header: dict, settings: dict, rows: Sequence[dict]) -> None:
+    """Write a results file of per-window measurements to ``path`` and print its means: provenance
+    ``header``, ``settings``, the means over all rows and per source, then the rows (dicts with
+    ``window``, ``source`` and numbers)."""
+    keys = [k for k in rows[0] if k not in ("window", "source")]
+
+    def mean(of: list[dict]) -> dict:
+        return {k: sum(r[k] for r in of) / len(of) for k in keys}
+
+    sources = sorted({r["source"] for r in rows})
+    by_source = {s: mean([r for r in rows if r["source"] == s]) for s in sources}
+    result = {"provenance": header, "settings": settings, "mean": mean(list(rows)), "by_source": by_source}
+    path.write_text(json.dumps({**result, "rows": list(rows)}, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps(result["mean"], indent=1))

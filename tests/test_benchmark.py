@@ -43,7 +43,7 @@ from eval.report import (
     update_docs,
 )
 from eval.shards import method_key
-from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval
+from eval.stats import bootstrap_interval, wilson_from_mean, wilson_interval, write_window_results
 from eval.sweep import FULL, MAX_NEW_TOKENS, AnswerDecoder, Prompt, encode_prompt
 from kvp_cache import KVPCache
 from kvp_cache.allocation import MIN_EXTRA_PER_HEAD
@@ -1336,3 +1336,18 @@ def test_kvp_rescore_or_age_decay_recomputes_only_the_learned_decode_answers(
         if r["nll"] != nll[r["protocol"], r["corpus"], r["method"], r["budget"]]
     }
     assert changed == {(DECODE, "kvp")}
+
+
+def test_window_results_average_every_number_pooled_and_per_source(tmp_path, capsys):
+    rows = [
+        {"window": "a/0", "source": "a", "kvp": 0.1, "snapkv": 0.4},
+        {"window": "a/1", "source": "a", "kvp": 0.3, "snapkv": 0.2},
+        {"window": "b/0", "source": "b", "kvp": 0.5, "snapkv": 0.0},
+    ]
+    write_window_results(tmp_path / "r.json", {"command": "c"}, {"cap": 256}, rows)
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["provenance"] == {"command": "c"} and written["settings"] == {"cap": 256}
+    assert written["mean"] == pytest.approx({"kvp": 0.3, "snapkv": 0.2})
+    assert written["by_source"]["a"] == pytest.approx({"kvp": 0.2, "snapkv": 0.3})
+    assert written["by_source"]["b"] == pytest.approx({"kvp": 0.5, "snapkv": 0.0})
+    assert written["rows"] == rows and '"kvp": 0.3' in capsys.readouterr().out

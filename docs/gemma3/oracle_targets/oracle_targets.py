@@ -33,6 +33,7 @@ import torch
 
 from eval.oracle import OracleScorer
 from eval.realtext import continuation_nll
+from eval.stats import write_window_results
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
 from kvp_cache.models import load_model
@@ -118,23 +119,12 @@ def main() -> None:
                         )
             rows.append(row)
             print(json.dumps(row), flush=True)
-    keys = [k for k in rows[0] if k not in ("window", "source")]
-
-    def mean(of: list[dict]) -> dict:
-        return {k: sum(r[k] for r in of) / len(of) for k in keys}
-
-    result = {
-        "provenance": provenance(model_name, "float32", "cpu", policy, sys.argv),
-        "settings": {"windows": windows, "prompt": PROMPT, "continuation": CONTINUATION, "budgets": BUDGETS},
-        "mean": mean(rows),
-        "by_source": {
-            s: mean([r for r in rows if r["source"] == s]) for s in sorted({r["source"] for r in rows})
-        },
-        "rows": rows,
-    }
-    out = Path(__file__).with_name(f"oracle_targets_{model_name}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(result["mean"], indent=1))
+    write_window_results(
+        Path(__file__).with_name(f"oracle_targets_{model_name}.json"),
+        provenance(model_name, "float32", "cpu", policy, sys.argv),
+        {"windows": windows, "prompt": PROMPT, "continuation": CONTINUATION, "budgets": BUDGETS},
+        rows,
+    )
 
 
 if __name__ == "__main__":

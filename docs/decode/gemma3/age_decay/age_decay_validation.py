@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from eval.realtext import continuation_nll
+from eval.stats import write_window_results
 from kvp_cache import KVPCache
 from kvp_cache.models import load_model
 from kvp_cache.policy import load_policy
@@ -70,23 +71,12 @@ def main() -> None:
                     window_row(model, policy, window, [float(d) for d in decays.split(",")], cap, baselines)
                 )
                 print(json.dumps(rows[-1]), flush=True)
-    keys = [k for k in rows[0] if k not in ("window", "source")]
-
-    def mean(of: list[dict]) -> dict:
-        return {k: sum(r[k] for r in of) / len(of) for k in keys}
-
-    result = {
-        "provenance": provenance(model_name, "float32", "cpu", policy, sys.argv),
-        "settings": {"windows": windows, "decays": decays, "cap": cap, "prompt": 1024, "continuation": 2048},
-        "mean": mean(rows),
-        "by_source": {
-            s: mean([r for r in rows if r["source"] == s]) for s in sorted({r["source"] for r in rows})
-        },
-        "rows": rows,
-    }
-    out = Path(__file__).with_name(f"age_decay_validation_{model_name}_{cap}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-    print(json.dumps(result["mean"], indent=1))
+    write_window_results(
+        Path(__file__).with_name(f"age_decay_validation_{model_name}_{cap}.json"),
+        provenance(model_name, "float32", "cpu", policy, sys.argv),
+        {"windows": windows, "decays": decays, "cap": cap, "prompt": 1024, "continuation": 2048},
+        rows,
+    )
 
 
 if __name__ == "__main__":
