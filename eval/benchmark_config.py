@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from kvp_cache import ruler
 from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, validate_mode
 from kvp_cache.budget import Budget, validate_budget, validate_count
 from kvp_cache.scorers import SCORERS
+from kvp_cache.scorers.kvp import checked_age_decay
 
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
@@ -141,10 +141,7 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         check_methods(self.methods, self.policy)
-        if not math.isfinite(self.kvp_age_decay) or self.kvp_age_decay < 0:
-            raise ValueError(
-                f"kvp_age_decay must be a finite number >= 0 (0: no decay), got {self.kvp_age_decay}"
-            )
+        self.kvp_age_decay = checked_age_decay(self.kvp_age_decay, "kvp_age_decay")
         if not self.budgets:
             raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
         self.budgets = [validate_budget(b) for b in self.budgets]

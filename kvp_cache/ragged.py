@@ -108,9 +108,9 @@ class RaggedLayer(EvictingLayer):
         if self.positions is not None:
             logical = torch.arange(self.cumulative_length, self.cumulative_length + q, device=self.device)
             new["positions"] = logical.expand(b, h, q)
+        seen_real = self.seen_real + new_real.sum(-1)
         if self.entered is not None:
-            seen = self.seen_real + new_real.sum(-1)
-            new["entered"] = seen.to(torch.int32)[:, None, None].expand(b, h, q)
+            new["entered"] = seen_real.to(torch.int32)[:, None, None].expand(b, h, q)
         if any(self.lengths):
             # One concatenation per field: each head's slots, then its new ones.
             pieces = {
@@ -124,7 +124,7 @@ class RaggedLayer(EvictingLayer):
             for name, added in new.items():
                 setattr(self, name, added.flatten(1, 2))
             self.lengths = [q] * h
-        self.seen_real = self.seen_real + new_real.sum(-1)
+        self.seen_real = seen_real
         self.cumulative_length += q
         self.appended_since_eviction += q
         self.pending_forward = q

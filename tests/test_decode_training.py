@@ -255,6 +255,8 @@ def test_decode_downstream_equals_a_hand_loop(llama):
             assert abs(nll[f"{other}@{cap}"] - nll[f"kvp@{cap}"]) > 1e-6
     with pytest.raises(ValueError, match="caps must each exceed"):
         DecodeDownstreamConfig("", "", methods=["knorm"], caps=[4], sinks=2, window=3).validate()
+    with pytest.raises(ValueError, match=r"age_decay must be a finite number >= 0 \(0: no decay\), got -1"):
+        DecodeDownstreamConfig("", "", methods=["knorm"], age_decay=-1.0).validate()
 
 
 def test_policies_ranked_otherwise_never_read_the_records_of_the_plain_ranking(tmp_path, llama):

@@ -34,6 +34,7 @@ from kvp_cache.models import load_model
 from kvp_cache.policy import KVPolicy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
+from kvp_cache.scorers.kvp import checked_age_decay
 from train.data import Example, example_digest
 from train.decode import DecodeCollectConfig, decode_examples
 from train.downstream import FULL, score_examples, write_summary
@@ -75,6 +76,7 @@ class DecodeDownstreamConfig:
     age_decay: float = 0.0
 
     def validate(self) -> None:
+        self.age_decay = checked_age_decay(self.age_decay)
         if not self.policy and not self.methods:
             raise ValueError("give --policy and/or --methods to measure")
         if not self.caps or min(self.caps) <= self.sinks + self.window:
@@ -225,7 +227,6 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
     ranking = ranking_suffix(config.rescore, config.age_decay)
     if ranking:
         intro += f" The policies' records are named `<sha256>{ranking}`: " + RANKINGS
-
     return write_summary(stem, records, list(methods), config.caps, head, intro)
 
 

@@ -13,6 +13,16 @@ from kvp_cache.scorers.base import Scorer
 from kvp_cache.scorers.registry import register_scorer
 
 
+def checked_age_decay(value, name: str = "age_decay") -> float:
+    """``value`` as a float, or a ``TypeError``/``ValueError`` naming ``name`` unless it is a finite
+    number >= 0 (0: no decay)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (0: no decay), got {value}")
+    return float(value)
+
+
 @register_scorer
 @dataclass
 class KVPScorer(Scorer):
@@ -69,11 +79,7 @@ class KVPScorer(Scorer):
             raise TypeError(f"policy must be a kvp_cache.policy.KVPolicy, got {type(self.policy).__name__}")
         if not isinstance(self.rescore, bool):
             raise TypeError(f"rescore must be True or False, got {self.rescore!r}")
-        if isinstance(self.age_decay, bool) or not isinstance(self.age_decay, int | float):
-            raise TypeError(f"age_decay must be a number >= 0, got {self.age_decay!r}")
-        if not math.isfinite(self.age_decay) or self.age_decay < 0:
-            raise ValueError(f"age_decay must be a finite number >= 0 (0: no decay), got {self.age_decay}")
-        self.age_decay = float(self.age_decay)
+        self.age_decay = checked_age_decay(self.age_decay)
 
     def check_model(self, config) -> None:
         self.policy.check_compatible(config, check_base_model=self.check_base_model)
