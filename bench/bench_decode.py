@@ -26,9 +26,9 @@ James Bible (the benchmark's ``kjv`` corpus, public domain, from the ``eval`` ex
    cache is trimmed at the end of a chunk, as after a decoding step. The prefill's own eviction
    happens at the end of the prompt, so the first continuation token is scored exactly.
 
-``kvp`` uses ``--policy`` (default: the shipped ``smollm2-135m-instruct``); ``kvp_rescore`` is ``kvp``
-with ``rescore=True`` (every held entry scored again at each eviction) and ``kvp_age_decay`` ``kvp``
-with ``age_decay=0.5`` (each eviction ranks the scores minus ``0.5 * log2(1 + age)``). The JSON
+``kvp`` uses ``--policy`` (default: the shipped ``smollm2-135m-instruct``) as it ships, with its own
+``age_decay``; ``kvp_rescore`` is ``kvp`` with ``rescore=True`` (every held entry scored again at each
+eviction) and ``kvp_no_decay`` ``kvp`` with ``age_decay=0`` (the stored scores ranked as they are). The JSON
 output (``--json``) starts with ``kvp_cache.provenance.provenance(...)``. One thread by default:
 the development machine's two cores are shared, and two OpenMP threads spin against each other.
 """
@@ -61,17 +61,16 @@ from kvp_cache.provenance import portable_argument, provenance
 FULL = "full"
 POLICY = "smollm2-135m-instruct"  # the shipped policy for SmolLM2 (method kvp)
 KVP_RESCORE = "kvp_rescore"  # method kvp with rescore=True: every held entry scored again at each eviction
-KVP_AGE_DECAY = "kvp_age_decay"  # method kvp with age_decay=AGE_DECAY
-AGE_DECAY = 0.5  # chosen on Gemma 3's validation sequences (docs/decode/README.md, "Age decay under a cap")
+KVP_NO_DECAY = "kvp_no_decay"  # method kvp with age_decay=0
 
 
 def method_options(method: str, policy_name: str) -> dict:
     """``KVPCache`` keyword arguments for a method name of this script (``kvp_rescore`` and
-    ``kvp_age_decay`` included)."""
+    ``kvp_no_decay`` included)."""
     if method == KVP_RESCORE:
         return {"method": "kvp", "policy": policy_name, "rescore": True}
-    if method == KVP_AGE_DECAY:
-        return {"method": "kvp", "policy": policy_name, "age_decay": AGE_DECAY}
+    if method == KVP_NO_DECAY:
+        return {"method": "kvp", "policy": policy_name, "age_decay": 0.0}
     return {"method": method, "policy": policy_name} if method == "kvp" else {"method": method}
 
 
@@ -198,7 +197,7 @@ def nll_table(nll: dict, caps: list[int]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
     capped = scorers.methods()
-    capped = [m for m in capped if scorers.SCORERS[m].scores_decoded_tokens] + [KVP_RESCORE, KVP_AGE_DECAY]
+    capped = [m for m in capped if scorers.SCORERS[m].scores_decoded_tokens] + [KVP_RESCORE, KVP_NO_DECAY]
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--generate-tokens", type=int, default=4096)

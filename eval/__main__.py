@@ -124,10 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the kvp rows score every held entry again at each eviction (KVPCache(..., "
                        "rescore=True)); only the decode and decode_recall protocols answer differently, so only their "
                        "learned rows are recomputed")  # fmt: skip
-    bench.add_argument("--kvp-age-decay", type=float, default=0.0,
+    bench.add_argument("--kvp-age-decay", type=float, default=None,
                        help="the kvp rows rank each eviction by score - DECAY * log2(1 + age), age the tokens read "
-                       "since the entry's forward (KVPCache(..., age_decay=DECAY)); as with --kvp-rescore, only "
-                       "the decode and decode_recall protocols answer differently")  # fmt: skip
+                       "since the entry's forward (KVPCache(..., age_decay=DECAY); default: the policy's own, "
+                       "0 turns it off); as with --kvp-rescore, only the decode and decode_recall protocols "
+                       "answer differently")  # fmt: skip
     bench.add_argument("--contexts", type=comma_list(int), default=[1024, 2048, 4096, 8192],
                        help="needle context lengths (tokens)")  # fmt: skip
     bench.add_argument("--samples", type=comma_list(int), default=None,
@@ -267,7 +268,7 @@ def run_benchmark_command(args, model, tokenizer, policy) -> None:
     if not args.no_run:
         benchmark.run()
     header = provenance(args.model, next(model.parameters()).dtype, args.device, policy=policy)
-    result = benchmark_result(config, out, benchmark.fingerprint, header)
+    result = benchmark_result(benchmark.config, out, benchmark.fingerprint, header)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "benchmark.json"
     path.write_text(json.dumps(result, indent=1) + "\n")

@@ -101,7 +101,7 @@ class Benchmark:
         # at long contexts; answers equal one forward's up to float noise, so it is not in the fingerprint.
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
-        self.config = config
+        self.config = config = config.for_policy(policy)
         self.out = Path(out)
         self.device = next(model.parameters()).device
         self.decoders = {

@@ -19,8 +19,8 @@ from eval.sweep import FULL, check_methods
 from kvp_cache import ruler
 from kvp_cache.allocation import MIN_EXTRA_PER_HEAD, MODES, validate_mode
 from kvp_cache.budget import Budget, validate_budget, validate_count
+from kvp_cache.policy import checked_age_decay
 from kvp_cache.scorers import SCORERS
-from kvp_cache.scorers.kvp import checked_age_decay
 
 NEEDLE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 SCREENED_TASKS = tuple(task for task in ruler.TASKS if task not in NEEDLE_TASKS)
@@ -98,15 +98,16 @@ class BenchmarkConfig:
     differently, so only their records name it with the policy of their learned answers
     (:meth:`Fingerprint.for_protocol`): rows made with and without it are never mixed, and the
     prefill protocols' answers are reused.
-    kvp_age_decay: 0, or the learned rows' ``KVPCache(..., age_decay=...)``: each eviction ranks the
-    stored scores minus ``decay * log2(1 + age)``. A single prefill ranks as without it, so, as for
+    kvp_age_decay: the learned rows' ``KVPCache(..., age_decay=...)``: each eviction ranks the stored
+    scores minus ``decay * log2(1 + age)``; None, the policy's own (:meth:`for_policy` resolves it,
+    so recorded configs hold the value used). A single prefill ranks as without it, so, as for
     ``kvp_rescore``, only the records of :data:`CAPPED_PROTOCOLS` name it.
     """
 
     methods: list[str]
     policy: str | None = None
     kvp_rescore: bool = False
-    kvp_age_decay: float = 0.0
+    kvp_age_decay: float | None = None
     budgets: list[Budget] = field(default_factory=lambda: [0.05, 0.1, 0.25, 0.5])
     allocations: list[str] = field(default_factory=lambda: [UNIFORM, "head"])
     min_per_head: int | None = None
@@ -141,7 +142,8 @@ class BenchmarkConfig:
 
     def __post_init__(self) -> None:
         check_methods(self.methods, self.policy)
-        self.kvp_age_decay = checked_age_decay(self.kvp_age_decay, "kvp_age_decay")
+        if self.kvp_age_decay is not None:
+            self.kvp_age_decay = checked_age_decay(self.kvp_age_decay, "kvp_age_decay")
         if not self.budgets:
             raise ValueError("budgets is empty; give fractions in (0, 1] or token counts >= 1")
         self.budgets = [validate_budget(b) for b in self.budgets]
@@ -235,7 +237,16 @@ class BenchmarkConfig:
         strings, and fields a later version dropped are left out."""
         known = {f.name for f in fields(cls)}
         counts = {name: {int(n): c for n, c in record[name].items()} for name in ("samples", "text_windows")}
-        return cls(**{k: v for k, v in {**record, **counts}.items() if k in known})
+        # Records made before the policy-level default ran without a decay.
+        made = {"kvp_age_decay": 0.0, **record, **counts}
+        return cls(**{k: v for k, v in made.items() if k in known})
+
+    def for_policy(self, policy) -> BenchmarkConfig:
+        """This config with :attr:`kvp_age_decay` resolved: the policy's own when None (0 without a
+        policy)."""
+        if self.kvp_age_decay is not None:
+            return self
+        return replace(self, kvp_age_decay=policy.age_decay if policy is not None else 0.0)
 
     def row_methods(self) -> list[str]:
         """The compressed rows of every cell (:func:`row_name`), the oracle's last: each method

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,16 @@ class Calibration:
         return save({name: getattr(self, name) for name in CALIBRATION_KEYS})
 
 
+def checked_age_decay(value, name: str = "age_decay") -> float:
+    """``value`` as a float, or a ``TypeError``/``ValueError`` naming ``name`` unless it is a finite
+    number >= 0 (0: no decay)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number >= 0, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0 (0: no decay), got {value}")
+    return float(value)
+
+
 def calibrated_shares(scores: Tensor, valid: Tensor, temperature: Tensor, weight: Tensor) -> Tensor:
     """``weight * softmax(scores / temperature)`` over each head's valid entries: float32, -inf where
     not valid.
@@ -135,6 +146,11 @@ class KVPolicy(
         trained_length: the longest training prompt in tokens (``train fit`` records it), or None
             when unknown. Longer prompts read the table as if it ended at the last row training
             reached (:meth:`HeadAgents.last_trained_row`) instead of untrained rows.
+        age_decay: the ranking under repeated evictions (``max_cache_tokens``, chunked prefill, later
+            turns): each eviction ranks ``score - age_decay * log2(1 + age)``, ``age`` the tokens read
+            since the entry's forward (:func:`kvp_cache.cache.age_decayed`). Chosen per policy on
+            validation under a cap and saved in config.json; ``KVPCache(..., age_decay=...)``
+            overrides it. A single prefill ranks the same at any value (every age is 0).
         base_model: Hub id of the LLM the policy was trained for (checked by :meth:`check_compatible`).
         training: JSON-able record of how the policy was trained, saved in config.json and shown
             on the model card. Recognised keys: ``data`` (str), ``datasets`` (list of Hub dataset
@@ -160,6 +176,7 @@ class KVPolicy(
         training: dict | None = None,
         layer_indices: list[int] | None = None,
         trained_length: int | None = None,
+        age_decay: float = 0.0,
     ):
         super().__init__()
         for name, value in (
@@ -176,6 +193,7 @@ class KVPolicy(
         self.hidden_dim, self.pos_dim, self.max_positions = hidden_dim, pos_dim, max_positions
         self.num_mlp_layers = num_mlp_layers
         self.base_model = base_model
+        self.age_decay = age_decay
         self.training_info = check_training(training)
         self._calibration: Calibration | None = None
         self.layers = nn.ModuleList(
@@ -211,6 +229,14 @@ class KVPolicy(
         check_trained_length(value)
         for agents in self.layers:
             agents.trained_length = value
+
+    @property
+    def age_decay(self) -> float:
+        return self._age_decay
+
+    @age_decay.setter
+    def age_decay(self, value: float) -> None:
+        self._age_decay = checked_age_decay(value)
 
     @property
     def calibration(self) -> Calibration | None:
@@ -318,6 +344,7 @@ class KVPolicy(
             "layer_indices": self.layer_indices,
             "position_strategy": self.position_strategy,
             "trained_length": self.trained_length,
+            "age_decay": self.age_decay,
             "base_model": self.base_model,
             "training": self.training_info,
             "kvp_cache_version": __version__,
@@ -475,6 +502,7 @@ __all__ = [
     "HeadAgents",
     "KVPolicy",
     "calibrated_shares",
+    "checked_age_decay",
     "load_policy",
     "shipped_policies",
 ]

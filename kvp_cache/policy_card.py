@@ -119,6 +119,12 @@ def model_card_body(policy: KVPolicy, repo_id: str | None = None) -> str:
             f"- trained on prompts of up to {policy.trained_length} tokens: longer prompts read the position "
             "table only up to the last row those prompts reached"
         )
+    if policy.age_decay:
+        parts.append(
+            f"- age_decay {policy.age_decay:g}: when the cache evicts again (`max_cache_tokens`, chunked "
+            f"prefill, later turns) it ranks score - {policy.age_decay:g} * log2(1 + age), age the tokens read "
+            "since the entry entered; a single prefill ranks by the score alone"
+        )
     parts += calibration_section(policy)
     parts += ["", "## Training", ""]
     if not training:

@@ -47,6 +47,7 @@ OPTIONAL_KEYS = (
     "layer_indices",
     "position_strategy",
     "trained_length",
+    "age_decay",
     "base_model",
     "training",
     "kvp_cache_version",

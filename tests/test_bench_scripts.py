@@ -59,16 +59,20 @@ def test_bench_decode_times_the_scoring_of_decoded_tokens(llama):
         "policy": "p",
         "rescore": True,
     }
-    assert bench_decode.method_options("kvp_age_decay", "p") == {
+    assert bench_decode.method_options("kvp_no_decay", "p") == {
         "method": "kvp",
         "policy": "p",
-        "age_decay": 0.5,
+        "age_decay": 0.0,
     }
-    options = bench_decode.method_options("kvp_age_decay", policy)
-    aged = KVPCache(llama, **options, budget=1.0, max_cache_tokens=32, evict_every=8)
-    run = bench_decode.decode_run(llama, aged, prompt, 40, "test")
-    assert run["scored_entries"] == (last - 24) * llama.config.num_hidden_layers  # scored once, as kvp
-    assert aged.evicting_layers[0].entered is not None
+    # kvp keeps the policy's own decay; kvp_no_decay turns it off. Both score each entry once.
+    policy.age_decay = 0.5
+    for method, decay in (("kvp", 0.5), ("kvp_no_decay", 0.0)):
+        options = bench_decode.method_options(method, policy)
+        capped = KVPCache(llama, **options, budget=1.0, max_cache_tokens=32, evict_every=8)
+        run = bench_decode.decode_run(llama, capped, prompt, 40, "test")
+        assert run["scored_entries"] == (last - 24) * llama.config.num_hidden_layers
+        assert capped.settings.scorer.age_decay == decay
+        assert (capped.evicting_layers[0].entered is not None) == bool(decay)
 
 
 def test_bench_policy_splits_scoring_time_into_matrix_products_and_the_rest():

@@ -98,7 +98,7 @@ def decode_config(**overrides) -> BenchmarkConfig:
 def run(model, tokenizer, config, out: Path, policy=None) -> dict:
     bench = Benchmark(model, tokenizer, config, out, policy)
     bench.run()
-    return benchmark_result(config, out, bench.fingerprint, provenance("tiny", torch.float32, "cpu"))
+    return benchmark_result(bench.config, out, bench.fingerprint, provenance("tiny", torch.float32, "cpu"))
 
 
 def shard_lines(out: Path) -> dict[str, int]:
@@ -1297,7 +1297,7 @@ def test_compare_pairs_decode_rows_ranked_otherwise(tiny, tmp_path, fake_corpora
         bench = Benchmark(model, tokenizer, config, tmp_path / name, policy)
         bench.run()
         header = provenance("tiny", torch.float32, "cpu", policy=policy)
-        result = benchmark_result(config, tmp_path / name, bench.fingerprint, header)
+        result = benchmark_result(bench.config, tmp_path / name, bench.fingerprint, header)
         (tmp_path / name / "benchmark.json").write_text(json.dumps(result))
     rows = compare(Run.load(tmp_path / "aged"), Run.load(tmp_path / "plain"))
     pooled = {r["row"]: r for r in rows if r["name"] == ALL}
@@ -1336,6 +1336,25 @@ def test_kvp_rescore_or_age_decay_recomputes_only_the_learned_decode_answers(
         if r["nll"] != nll[r["protocol"], r["corpus"], r["method"], r["budget"]]
     }
     assert changed == {(DECODE, "kvp")}
+
+
+def test_the_policys_own_age_decay_names_the_capped_records(tiny, tmp_path, fake_corpora, work):
+    """Without ``kvp_age_decay`` the learned rows rank with the policy's own decay, and the records and
+    the recorded config name the value used: giving it explicitly reads the same records."""
+    model, tokenizer = tiny
+    tiny_policy(model, seed=0, age_decay=0.5).save_pretrained(tmp_path / "policy")
+    policy = load_policy(tmp_path / "policy")
+    options = dict(methods=["kvp"], policy="tiny")
+    result = run(model, tokenizer, decode_config(**options), tmp_path / "out", policy)
+    assert result["config"]["kvp_age_decay"] == 0.5
+    named = {r["policy"] for r in latest_records(tmp_path / "out").values()}
+    assert named == {policy.weights_sha256 + "+age_decay=0.5"}
+    work.clear()
+    run(model, tokenizer, decode_config(**options, kvp_age_decay=0.5), tmp_path / "out", policy)
+    assert work["continuation_nll"] == 0
+    # A benchmark.json written before the policy-level default ran without a decay.
+    recorded = {k: v for k, v in result["config"].items() if k != "kvp_age_decay"}
+    assert BenchmarkConfig.from_record(recorded).kvp_age_decay == 0.0
 
 
 def test_window_results_average_every_number_pooled_and_per_source(tmp_path, capsys):

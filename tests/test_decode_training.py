@@ -268,6 +268,11 @@ def test_policies_ranked_otherwise_never_read_the_records_of_the_plain_ranking(t
     options, weights = decode_downstream.learned_rows(policies, True, 0.5)
     assert (options["p"]["rescore"], options["p"]["age_decay"]) == (True, 0.5)
     assert weights == {"p": sha256 + "+rescore+age_decay=0.5"}
+    # None: each policy's own decay, named in its records.
+    policies["p"].age_decay = 2.0
+    options, weights = decode_downstream.learned_rows(policies, False, None)
+    assert options["p"]["age_decay"] == 2.0 and weights == {"p": sha256 + "+age_decay=2"}
+    assert decode_downstream.learned_rows(policies, False, 0.0) == (plain, {"p": sha256})
 
 
 def test_validation_sequences_are_the_traced_ones(tmp_path, llama, monkeypatch):

@@ -61,10 +61,16 @@ def test_kvp_rescore_must_be_a_bool():
     ],
 )
 def test_kvp_age_decay_must_be_a_finite_number_at_least_0(decay, error, message):
+    """Checked in the cache's option, the policy's argument and its setter alike."""
     model = tiny_model("llama")
     policy = KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=32)
     with pytest.raises(error, match=message):
         KVPCache(model, method="kvp", policy=policy, age_decay=decay)
+    with pytest.raises(error, match=message):
+        KVPolicy.for_model(model, hidden_dim=8, pos_dim=4, max_positions=32, age_decay=decay)
+    with pytest.raises(error, match=message):
+        policy.age_decay = decay
+    assert policy.age_decay == 0.0
 
 
 def test_scorer_instance_takes_no_options():

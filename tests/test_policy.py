@@ -311,6 +311,35 @@ def test_model_card(llama, tmp_path):
     assert "Accuracy on RULER niah" in text and "| kvp | 0.5 | 0.875 |" in text
 
 
+def test_age_decay_is_saved_loaded_shown_and_used_by_the_cache(llama, tmp_path):
+    """A policy's ``age_decay`` travels in config.json; ``KVPCache`` takes it unless told otherwise."""
+    from kvp_cache import KVPCache
+
+    policy = tiny_policy(llama)
+    assert (
+        policy.age_decay == 0.0
+        and "age_decay" not in (_saved(llama, tmp_path / "plain") / "README.md").read_text()
+    )
+    policy.age_decay = 0.5
+    policy.save_pretrained(tmp_path / "aged")
+    config = json.loads((tmp_path / "aged" / "config.json").read_text())
+    assert config["age_decay"] == 0.5
+    assert "- age_decay 0.5: when the cache evicts again" in (tmp_path / "aged" / "README.md").read_text()
+    loaded = load_policy(tmp_path / "aged")
+    assert loaded.age_decay == 0.5
+    assert KVPCache.from_pretrained(tmp_path / "aged", model=llama).settings.scorer.age_decay == 0.5
+    assert KVPCache.from_pretrained(loaded, model=llama, age_decay=0).settings.scorer.age_decay == 0.0
+    assert KVPCache.from_pretrained(loaded, model=llama, age_decay=2).settings.scorer.age_decay == 2.0
+    # A config.json written before the option holds none: no decay, as its policy was run.
+    (tmp_path / "aged" / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k != "age_decay"})
+    )
+    assert load_policy(tmp_path / "aged").age_decay == 0.0
+    (tmp_path / "aged" / "config.json").write_text(json.dumps(config | {"age_decay": -1}))
+    with pytest.raises(ValueError, match=r"age_decay must be a finite number >= 0 \(0: no decay\), got -1"):
+        load_policy(tmp_path / "aged")
+
+
 def test_card_tables_put_the_best_method_first():
     from kvp_cache.policy_card import evaluation_table
 

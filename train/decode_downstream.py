@@ -31,10 +31,9 @@ from eval.benchmark_config import ranking_suffix
 from eval.realtext import continuation_nll
 from kvp_cache import KVPCache
 from kvp_cache.models import load_model
-from kvp_cache.policy import KVPolicy
+from kvp_cache.policy import KVPolicy, checked_age_decay
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import policy_record, provenance
-from kvp_cache.scorers.kvp import checked_age_decay
 from train.data import Example, example_digest
 from train.decode import DecodeCollectConfig, decode_examples
 from train.downstream import FULL, score_examples, write_summary
@@ -57,7 +56,8 @@ class DecodeDownstreamConfig:
     for a collection whose corpora changed since, say. limit: at most this many sequences (the first
     ones), 0 for all. rescore: the policies score every held entry again at each eviction
     (``KVPCache(..., rescore=True)``) instead of once, as it entered. age_decay: the policies' ranking
-    is their score minus ``age_decay * log2(1 + age)`` (``KVPCache(..., age_decay=...)``).
+    is their score minus ``age_decay * log2(1 + age)`` (``KVPCache(..., age_decay=...)``); None,
+    each policy's own (:attr:`KVPolicy.age_decay`).
     """
 
     traces: str
@@ -73,10 +73,11 @@ class DecodeDownstreamConfig:
     sources: list[str] = field(default_factory=list)
     limit: int = 0
     rescore: bool = False
-    age_decay: float = 0.0
+    age_decay: float | None = None
 
     def validate(self) -> None:
-        self.age_decay = checked_age_decay(self.age_decay)
+        if self.age_decay is not None:
+            self.age_decay = checked_age_decay(self.age_decay)
         if not self.policy and not self.methods:
             raise ValueError("give --policy and/or --methods to measure")
         if not self.caps or min(self.caps) <= self.sinks + self.window:
@@ -172,17 +173,24 @@ def sequence_nll(model, example: Example, methods: dict[str, dict], config: Deco
 
 
 def learned_rows(
-    policies: dict[str, KVPolicy], rescore: bool, age_decay: float
+    policies: dict[str, KVPolicy], rescore: bool, age_decay: float | None
 ) -> tuple[dict[str, dict], dict[str, str]]:
     """Each policy's ``KVPCache`` options and the weights key its records carry: the weights' sha256,
     followed by how held entries are ranked (:func:`~eval.benchmark_config.ranking_suffix`), so that
-    records of different rankings are never read for each other."""
+    records of different rankings are never read for each other. ``age_decay`` None: each policy's own."""
     options = {
-        name: {"policy": policy, "rescore": rescore, "age_decay": age_decay}
+        name: {
+            "policy": policy,
+            "rescore": rescore,
+            "age_decay": policy.age_decay if age_decay is None else age_decay,
+        }
         for name, policy in policies.items()
     }
-    suffix = ranking_suffix(rescore, age_decay)
-    return options, {name: policy_record(policy)["sha256"] + suffix for name, policy in policies.items()}
+    weights = {
+        name: policy_record(policy)["sha256"] + ranking_suffix(rescore, options[name]["age_decay"])
+        for name, policy in policies.items()
+    }
+    return options, weights
 
 
 def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=None) -> dict:
@@ -210,7 +218,10 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
     weight = next(model.parameters())
     head = {
         "provenance": provenance(settings["model"], str(weight.dtype), str(weight.device), policy=first),
-        "policies": {name: policy_record(policy) for name, policy in policies.items()},
+        "policies": {
+            name: policy_record(policy) | {"age_decay": methods[name]["age_decay"]}
+            for name, policy in policies.items()
+        },
         "traces": str(config.traces),
         "split": config.split,
         "caps": config.caps,
@@ -224,9 +235,10 @@ def run_decode_downstream(config: DecodeDownstreamConfig, model=None, tokenizer=
         f"each budget = `max_cache_tokens` (evict_every {config.evict_every}, sinks {config.sinks} + window "
         f"{config.window} kept). NLL per continuation token over the uncapped cache; lower is better."
     )
-    ranking = ranking_suffix(config.rescore, config.age_decay)
-    if ranking:
-        intro += f" The policies' records are named `<sha256>{ranking}`: " + RANKINGS
+    rankings = {name: key.split("+", 1)[1] for name, key in weights.items() if "+" in key}
+    if rankings:
+        named = ", ".join(f"{name} `<sha256>+{ranking}`" for name, ranking in rankings.items())
+        intro += f" The policies' records are named {named}: " + RANKINGS
     return write_summary(stem, records, list(methods), config.caps, head, intro)
 
 
@@ -245,7 +257,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rescore", action="store_true", help="policies score every held entry again at each eviction"
     )
     parser.add_argument(
-        "--age-decay", type=float, default=0.0, help="policies rank score - DECAY * log2(1 + age) (0: none)"
+        "--age-decay",
+        type=float,
+        default=None,
+        help="policies rank score - DECAY * log2(1 + age) (default: each policy's own; 0: none)",
     )
     parser.add_argument("--out", required=True, help="writes downstream_decode_<split>.{jsonl,json,md} here")
     parser.add_argument("--threads", type=int, default=2)

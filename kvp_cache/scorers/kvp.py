@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvp_cache.policy import KVPolicy, load_policy
+from kvp_cache.policy import KVPolicy, checked_age_decay, load_policy
 from kvp_cache.scorers.base import Scorer
 from kvp_cache.scorers.registry import register_scorer
-
-
-def checked_age_decay(value, name: str = "age_decay") -> float:
-    """``value`` as a float, or a ``TypeError``/``ValueError`` naming ``name`` unless it is a finite
-    number >= 0 (0: no decay)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number >= 0, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0 (0: no decay), got {value}")
-    return float(value)
 
 
 @register_scorer
@@ -46,6 +35,8 @@ class KVPScorer(Scorer):
     tokens read since the forward that read the entry (:func:`kvp_cache.cache.age_decayed`): a score
     given at entry says nothing of how long ago that was, and under ``max_cache_tokens`` old entries
     would otherwise outrank new ones forever. A single prefill ranks as without it (every age is 0).
+    None (the default) takes the policy's own :attr:`~kvp_cache.policy.KVPolicy.age_decay`, the value
+    chosen for it on validation and saved in its config.json; 0 turns the decay off.
 
     Across heads (:meth:`cross_head_scores`): ``weight * softmax(score / temperature)`` over each
     head's valid entries, the policy's :class:`~kvp_cache.policy.Calibration` (fitted by ``python -m
@@ -60,7 +51,7 @@ class KVPScorer(Scorer):
     policy: KVPolicy | str | Path | None = None
     check_base_model: bool = True
     rescore: bool = False
-    age_decay: float = 0.0
+    age_decay: float | None = None
 
     @property
     def per_token(self) -> bool:
@@ -79,7 +70,9 @@ class KVPScorer(Scorer):
             raise TypeError(f"policy must be a kvp_cache.policy.KVPolicy, got {type(self.policy).__name__}")
         if not isinstance(self.rescore, bool):
             raise TypeError(f"rescore must be True or False, got {self.rescore!r}")
-        self.age_decay = checked_age_decay(self.age_decay)
+        self.age_decay = (
+            self.policy.age_decay if self.age_decay is None else checked_age_decay(self.age_decay)
+        )
 
     def check_model(self, config) -> None:
         self.policy.check_compatible(config, check_base_model=self.check_base_model)
