@@ -36,7 +36,9 @@ from train.collect import parse_windows
 CHUNKS, PROMPT, CONTINUATION = 4, 2048, 128
 
 
-def window_row(model, policy, window, decays: list[float], budgets: list[float], baselines: list[str]) -> dict:
+def window_row(
+    model, policy, window, decays: list[float], budgets: list[float], baselines: list[str]
+) -> dict:
     """One window's NLL increase over the uncompressed cache for KVP at every decay and each baseline."""
     prompt, continuation = torch.tensor([window.prompt_ids]), torch.tensor([window.future_ids])
 
@@ -64,14 +66,22 @@ def main() -> None:
     rows = []
     with torch.no_grad():
         for name, count in parse_windows(windows.split(",")).items():
-            for window in corpus_windows(tokenizer, name, count, PROMPT, CONTINUATION, 0, 0.12, held_out=True):
+            for window in corpus_windows(
+                tokenizer, name, count, PROMPT, CONTINUATION, 0, 0.12, held_out=True
+            ):
                 rows.append(window_row(model, policy, window, decays, budgets, baselines))
                 print(json.dumps(rows[-1]), flush=True)
     write_window_results(
         Path(__file__).with_name(f"chunked_prefill_decay_{model_name}.json"),
         provenance(model_name, "float32", "cpu", policy, sys.argv),
-        {"windows": windows, "decays": decays, "budgets": budgets, "chunks": CHUNKS, "prompt": PROMPT,
-         "continuation": CONTINUATION},  # fmt: skip
+        {
+            "windows": windows,
+            "decays": decays,
+            "budgets": budgets,
+            "chunks": CHUNKS,
+            "prompt": PROMPT,
+            "continuation": CONTINUATION,
+        },
         rows,
     )
 
