@@ -36,7 +36,8 @@ from eval.realtext import continuation_nll
 from eval.stats import write_window_results
 from kvp_cache import KVPCache
 from kvp_cache.compat import cache_kwarg
-from kvp_cache.models import load_model
+from kvp_cache.demo import default_policy
+from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
@@ -44,7 +45,6 @@ from kvp_cache.targets import attention_modules, captured_queries, causal_attent
 from train.calibrate import corpus_windows
 from train.collect import parse_windows
 
-SHIPPED = {"smollm2": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
 BUDGETS = (0.05, 0.1, 0.25)
 PROMPT, CONTINUATION = 2048, 128
 TARGETS = ("attention", "value", "output_change")
@@ -92,7 +92,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model_name, windows = sys.argv[1], sys.argv[2]
     model, tokenizer = load_model(model_name)
-    policy = load_policy(SHIPPED[model_name])
+    policy = load_policy(default_policy(MODELS[model_name].model_id))
     rows = []
     for name, count in parse_windows(windows.split(",")).items():
         for window in corpus_windows(tokenizer, name, count, PROMPT, CONTINUATION, 0, 0.12, held_out=True):

@@ -26,14 +26,13 @@ import torch
 from eval.realtext import continuation_nll
 from eval.stats import write_window_results
 from kvp_cache import KVPCache
-from kvp_cache.models import load_model
+from kvp_cache.demo import default_policy
+from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.prefill import prefill
 from kvp_cache.provenance import provenance
 from train.calibrate import corpus_windows
 from train.collect import parse_windows
-
-SHIPPED = {"smollm2": "smollm2-135m-instruct", "gemma3-270m": "gemma3-270m"}
 
 
 def window_row(model, policy, window, decays: list[float], cap: int, baselines: list[str]) -> dict:
@@ -62,7 +61,7 @@ def main() -> None:
     model_name, windows, decays, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     baselines = sys.argv[5].split(",") if len(sys.argv) > 5 else []
     model, tokenizer = load_model(model_name)
-    policy = load_policy(SHIPPED[model_name])
+    policy = load_policy(default_policy(MODELS[model_name].model_id))
     rows = []
     with torch.no_grad():
         for name, count in parse_windows(windows.split(",")).items():

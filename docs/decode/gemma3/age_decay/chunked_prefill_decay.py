@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from docs.decode.gemma3.age_decay.age_decay_validation import SHIPPED
 from docs.decode.rescore.chunked_prefill import chunked_nll
 from eval.stats import write_window_results
 from kvp_cache import KVPCache
 from kvp_cache.compat import text_config
-from kvp_cache.models import load_model
+from kvp_cache.demo import default_policy
+from kvp_cache.models import MODELS, load_model
 from kvp_cache.policy import load_policy
 from kvp_cache.provenance import provenance
 from train.calibrate import corpus_windows
@@ -62,7 +62,7 @@ def main() -> None:
     baselines = sys.argv[5].split(",") if len(sys.argv) > 5 else []
     decays, budgets = [float(d) for d in decays.split(",")], [float(b) for b in budgets.split(",")]
     model, tokenizer = load_model(model_name)
-    policy = load_policy(SHIPPED[model_name])
+    policy = load_policy(default_policy(MODELS[model_name].model_id))
     rows = []
     with torch.no_grad():
         for name, count in parse_windows(windows.split(",")).items():
